@@ -1,0 +1,176 @@
+"""Page codecs: one class per algorithm behind one interface (in the manner of borg's compress).
+
+Each codec compresses single 4 KiB pages. Compressor and decompressor objects are created
+once and reused: a new zstd context per page costs more than the compression itself.
+The id of a codec is what the store records per stored blob, so ids never change meaning.
+"""
+
+from __future__ import annotations
+
+import lz4.block
+import zstandard
+
+RAW = 0
+ZSTD = 1
+LZ4 = 2
+LZ4HC = 3
+
+CODEC_NAMES = {RAW: "raw", ZSTD: "zstd", LZ4: "lz4", LZ4HC: "lz4hc"}
+
+# lz4 keeps its hash table on the C stack / in a thread-local state; there is no
+# accessor for it, so we account the documented state size (LZ4_STREAMSIZE, LZ4HC ~256 KiB).
+_LZ4_STATE_BYTES = 16 * 1024
+_LZ4HC_STATE_BYTES = 256 * 1024
+
+
+class CodecError(Exception):
+    """A blob could not be compressed or decompressed (corrupt data or a library failure)."""
+
+
+class Codec:
+    """Compresses and decompresses one page at a time."""
+
+    id: int = RAW
+    name: str = "raw"
+
+    def __init__(self, page_size: int = 4096) -> None:
+        self.page_size = page_size
+
+    def compress(self, page) -> bytes:
+        return bytes(page)
+
+    def decompress(self, data) -> bytes:
+        if len(data) != self.page_size:
+            raise CodecError(f"raw blob of {len(data)} bytes, expected {self.page_size}")
+        return bytes(data)
+
+    def memory_bytes(self) -> int:
+        """Bytes of native state this codec holds (contexts, tables)."""
+        return 0
+
+
+class ZstdCodec(Codec):
+    id = ZSTD
+    name = "zstd"
+
+    def __init__(self, level: int = 3, page_size: int = 4096) -> None:
+        super().__init__(page_size)
+        if not 1 <= level <= 19:
+            raise ValueError(f"zstd level {level} out of range 1-19")
+        self.level = level
+        # Magicless frames without content size, checksum or dict id: the store knows all
+        # of that already, and on a ~1 KiB compressed page those 8-12 bytes are ~1% ratio.
+        params = zstandard.ZstdCompressionParameters.from_level(
+            level,
+            source_size=page_size,
+            format=zstandard.FORMAT_ZSTD1_MAGICLESS,
+            write_content_size=False,
+            write_checksum=False,
+            write_dict_id=False,
+        )
+        self._cctx = zstandard.ZstdCompressor(compression_params=params)
+        self._dctx = zstandard.ZstdDecompressor(format=zstandard.FORMAT_ZSTD1_MAGICLESS)
+
+    def compress(self, page) -> bytes:
+        return self._cctx.compress(page)
+
+    def decompress(self, data) -> bytes:
+        try:
+            out = self._dctx.decompress(data, max_output_size=self.page_size)
+        except zstandard.ZstdError as exc:
+            raise CodecError(f"zstd: {exc}") from exc
+        if len(out) != self.page_size:
+            raise CodecError(f"zstd blob decoded to {len(out)} bytes, expected {self.page_size}")
+        return out
+
+    def memory_bytes(self) -> int:
+        return self._cctx.memory_size() + self._dctx.memory_size()
+
+
+class Lz4Codec(Codec):
+    id = LZ4
+    name = "lz4"
+
+    def __init__(self, acceleration: int = 1, page_size: int = 4096) -> None:
+        super().__init__(page_size)
+        self.acceleration = max(1, acceleration)
+
+    def compress(self, page) -> bytes:
+        return lz4.block.compress(page, mode="fast", acceleration=self.acceleration, store_size=False)
+
+    def decompress(self, data) -> bytes:
+        try:
+            out = lz4.block.decompress(data, uncompressed_size=self.page_size)
+        except lz4.block.LZ4BlockError as exc:
+            raise CodecError(f"lz4: {exc}") from exc
+        if len(out) != self.page_size:
+            raise CodecError(f"lz4 blob decoded to {len(out)} bytes, expected {self.page_size}")
+        return out
+
+    def memory_bytes(self) -> int:
+        return _LZ4_STATE_BYTES
+
+
+class Lz4HcCodec(Lz4Codec):
+    id = LZ4HC
+    name = "lz4hc"
+
+    def __init__(self, level: int = 9, page_size: int = 4096) -> None:
+        super().__init__(1, page_size)
+        if not 1 <= level <= 12:
+            raise ValueError(f"lz4hc level {level} out of range 1-12")
+        self.level = level
+
+    def compress(self, page) -> bytes:
+        return lz4.block.compress(
+            page, mode="high_compression", compression=self.level, store_size=False
+        )
+
+    def memory_bytes(self) -> int:
+        return _LZ4HC_STATE_BYTES
+
+
+def make_codec(algorithm: str, level: int, page_size: int = 4096) -> Codec:
+    """The codec for new writes, from `compression.algorithm` and `compression.level`."""
+    if algorithm == "zstd":
+        return ZstdCodec(level, page_size)
+    if algorithm == "lz4":
+        # For lz4 the config level is the acceleration factor (0 and 1 mean default speed).
+        return Lz4Codec(max(1, level), page_size)
+    if algorithm == "lz4hc":
+        return Lz4HcCodec(level, page_size)
+    raise ValueError(f"unknown compression algorithm {algorithm!r} (zstd, lz4, lz4hc)")
+
+
+class CodecSet:
+    """The codec used for new writes plus one decoder per codec id, for reading any blob.
+
+    Blobs written under an earlier config (another algorithm or level) stay readable:
+    every id has a decoder, and decoding does not depend on the level.
+    """
+
+    def __init__(self, writer: Codec) -> None:
+        self.writer = writer
+        page = writer.page_size
+        self._decoders: dict[int, Codec] = {
+            RAW: Codec(page),
+            ZSTD: writer if writer.id == ZSTD else ZstdCodec(3, page),
+            LZ4: writer if writer.id == LZ4 else Lz4Codec(1, page),
+        }
+        self._decoders[LZ4HC] = writer if writer.id == LZ4HC else self._decoders[LZ4]
+
+    def decompress(self, codec_id: int, data) -> bytes:
+        try:
+            decoder = self._decoders[codec_id]
+        except KeyError:
+            raise CodecError(f"unknown codec id {codec_id}") from None
+        return decoder.decompress(data)
+
+    def memory_bytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        for codec in [self.writer, *self._decoders.values()]:
+            if id(codec) not in seen:
+                seen.add(id(codec))
+                total += codec.memory_bytes()
+        return total

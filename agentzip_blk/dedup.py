@@ -1,0 +1,105 @@
+"""Content index for deduplication: 64-bit hash key -> blob id, open addressing in numpy.
+
+A Python dict would cost ~100 bytes per stored page (an entry plus two int objects);
+this table costs 12 bytes per slot at a load of at most 60%. The key is the low half of
+the page's 128-bit hash; the blob table holds the whole hash, and the store compares the
+page bytes themselves before sharing a blob, so a hash collision can never alias data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+_EMPTY = 0
+_TOMBSTONE = 1
+_MAX_LOAD = 0.6
+
+
+def index_key(lo: int) -> int:
+    """Keys 0 and 1 mark empty and deleted entries; fold those hash values elsewhere."""
+    return lo if lo > _TOMBSTONE else lo + 2
+
+
+class DedupIndex:
+    def __init__(self, capacity: int = 1024) -> None:
+        self._alloc(max(16, 1 << (capacity - 1).bit_length()))
+
+    def _alloc(self, capacity: int) -> None:
+        self._keys = np.zeros(capacity, dtype=np.uint64)
+        self._vals = np.zeros(capacity, dtype=np.int32)
+        self._mask = capacity - 1
+        self.count = 0
+        self._tombstones = 0
+
+    @property
+    def capacity(self) -> int:
+        return len(self._keys)
+
+    @property
+    def nbytes(self) -> int:
+        return self._keys.nbytes + self._vals.nbytes
+
+    def candidates(self, key: int) -> Iterator[int]:
+        """Blob ids stored under `key` (usually zero or one)."""
+        keys, mask = self._keys, self._mask
+        pos = key & mask
+        while True:
+            k = int(keys[pos])
+            if k == _EMPTY:
+                return
+            if k == key:
+                yield int(self._vals[pos])
+            pos = (pos + 1) & mask
+
+    def insert(self, key: int, blob: int) -> None:
+        if (self.count + self._tombstones + 1) > _MAX_LOAD * self.capacity:
+            self._rehash()
+        keys, mask = self._keys, self._mask
+        pos = key & mask
+        while int(keys[pos]) > _TOMBSTONE:
+            pos = (pos + 1) & mask
+        if int(keys[pos]) == _TOMBSTONE:
+            self._tombstones -= 1
+        keys[pos] = key
+        self._vals[pos] = blob
+        self.count += 1
+
+    def remove(self, key: int, blob: int) -> bool:
+        keys, mask = self._keys, self._mask
+        pos = key & mask
+        while True:
+            k = int(keys[pos])
+            if k == _EMPTY:
+                return False
+            if k == key and int(self._vals[pos]) == blob:
+                keys[pos] = _TOMBSTONE
+                self.count -= 1
+                self._tombstones += 1
+                return True
+            pos = (pos + 1) & mask
+
+    def _rehash(self) -> None:
+        live = self._keys > _TOMBSTONE
+        old_keys = self._keys[live]
+        old_vals = self._vals[live]
+        capacity = self.capacity
+        # Grow when live entries fill the table; otherwise only sweep out tombstones.
+        while len(old_keys) + 1 > (_MAX_LOAD / 2) * capacity:
+            capacity *= 2
+        self._alloc(capacity)
+        for key, blob in zip(old_keys.tolist(), old_vals.tolist()):
+            self.insert(key, blob)
+
+    def items(self) -> Iterator[tuple[int, int]]:
+        live = self._keys > _TOMBSTONE
+        yield from zip(self._keys[live].tolist(), self._vals[live].tolist())
+
+
+def find_equal(index: DedupIndex, key: int, matches: Callable[[int], bool]) -> int:
+    """The first blob under `key` for which `matches(blob)` holds, or -1."""
+    for blob in index.candidates(key):
+        if matches(blob):
+            return blob
+    return -1

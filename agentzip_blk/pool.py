@@ -1,0 +1,214 @@
+"""A zsmalloc-like pool: size classes, cells carved from fixed-size mmap arenas.
+
+Each size class (32-byte steps up to 3072 bytes, plus whole pages for raw blobs) owns
+arenas of one fixed size, chosen per class so that cells tile the arena with little tail
+waste. A cell is addressed by (arena id, cell index). Free cells of an arena form an
+intrusive list threaded through the free cells themselves (the first 4 bytes hold the
+next free index), so free space costs no metadata. An arena whose last cell is freed is
+unmapped at once: memory goes back to the kernel, which is the point of the exercise.
+
+Per-arena bookkeeping lives in numpy arrays indexed by arena id; the only Python object
+per arena is its mmap.
+"""
+
+from __future__ import annotations
+
+import mmap
+from dataclasses import dataclass
+
+import numpy as np
+
+PAGE = 4096
+CLASS_STEP = 32
+MAX_COMPRESSED = 3072  # above this a page is stored raw (DESIGN: > ~3/4 page)
+_MIN_ARENA_PAGES = 4
+_MAX_ARENA_PAGES = 16
+_NO_CELL = 0xFFFFFFFF
+
+
+class PoolFull(Exception):
+    """Allocating one more arena would take the pool past its cap."""
+
+
+def _class_sizes(page_size: int) -> list[int]:
+    return list(range(CLASS_STEP, MAX_COMPRESSED + 1, CLASS_STEP)) + [page_size]
+
+
+def _arena_size(cell_size: int) -> int:
+    """The arena size (4-16 pages) whose tail waste is the smallest fraction."""
+    best = (1.0, 0)
+    for pages in range(_MIN_ARENA_PAGES, _MAX_ARENA_PAGES + 1):
+        size = pages * PAGE
+        waste = (size % cell_size) / size
+        if waste < best[0] - 1e-9:
+            best = (waste, size)
+    return best[1]
+
+
+@dataclass(frozen=True)
+class SizeClass:
+    index: int
+    cell_size: int
+    arena_size: int
+    cells_per_arena: int
+
+
+class Pool:
+    def __init__(self, max_size: int, page_size: int = PAGE) -> None:
+        self.max_size = max_size
+        self.page_size = page_size
+        self.classes: list[SizeClass] = []
+        for i, size in enumerate(_class_sizes(page_size)):
+            arena = _arena_size(size)
+            self.classes.append(SizeClass(i, size, arena, arena // size))
+        # Per class: arena ids with at least one free cell. A dict is an ordered set with
+        # O(1) removal; allocation takes the most recently added arena (LIFO, cache-warm).
+        self._partial: list[dict[int, None]] = [{} for _ in self.classes]
+        self._arenas: list[mmap.mmap | None] = []
+        self._free_ids: list[int] = []  # arena ids to reuse (bounded by the peak arena count)
+        cap = 64
+        self._a_class = np.zeros(cap, dtype=np.int16)
+        self._a_used = np.zeros(cap, dtype=np.int32)
+        self._a_free_head = np.zeros(cap, dtype=np.uint32)  # intrusive free list head
+        self._a_bump = np.zeros(cap, dtype=np.uint32)  # cells never handed out start here
+        self.allocated_bytes = 0  # arenas as mapped
+        self.live_bytes = 0  # sum of cell sizes in use
+        self.live_cells = 0
+
+    # -- classes ---------------------------------------------------------------------
+
+    def class_for(self, length: int) -> SizeClass:
+        if length <= 0 or length > self.page_size:
+            raise ValueError(f"blob length {length} outside 1..{self.page_size}")
+        if length > MAX_COMPRESSED:
+            return self.classes[-1]
+        return self.classes[(length - 1) // CLASS_STEP]
+
+    # -- allocation ------------------------------------------------------------------
+
+    def alloc(self, length: int) -> tuple[int, int]:
+        """A free cell that can hold `length` bytes, as (arena id, cell index)."""
+        cls = self.class_for(length)
+        partial = self._partial[cls.index]
+        if not partial:
+            partial[self._new_arena(cls)] = None
+        arena_id = next(reversed(partial))
+        head = int(self._a_free_head[arena_id])
+        if head != _NO_CELL:
+            arena = self._arenas[arena_id]
+            off = head * cls.cell_size
+            self._a_free_head[arena_id] = int.from_bytes(arena[off : off + 4], "little")
+            cell = head
+        else:
+            cell = int(self._a_bump[arena_id])
+            self._a_bump[arena_id] = cell + 1
+        used = int(self._a_used[arena_id]) + 1
+        self._a_used[arena_id] = used
+        if used == cls.cells_per_arena:
+            del partial[arena_id]
+        self.live_bytes += cls.cell_size
+        self.live_cells += 1
+        return arena_id, cell
+
+    def free(self, arena_id: int, cell: int) -> None:
+        cls = self.classes[int(self._a_class[arena_id])]
+        used = int(self._a_used[arena_id])
+        if used <= 0 or self._arenas[arena_id] is None:
+            raise RuntimeError(f"double free of arena {arena_id} cell {cell}")
+        self.live_bytes -= cls.cell_size
+        self.live_cells -= 1
+        if used == 1:
+            self._release_arena(arena_id, cls)
+            return
+        arena = self._arenas[arena_id]
+        off = cell * cls.cell_size
+        arena[off : off + 4] = int(self._a_free_head[arena_id]).to_bytes(4, "little")
+        self._a_free_head[arena_id] = cell
+        self._a_used[arena_id] = used - 1
+        if used == cls.cells_per_arena:
+            self._partial[cls.index][arena_id] = None
+
+    def _new_arena(self, cls: SizeClass) -> int:
+        if self.allocated_bytes + cls.arena_size > self.max_size:
+            raise PoolFull(
+                f"pool at {self.allocated_bytes} of {self.max_size} bytes, "
+                f"no room for a {cls.arena_size}-byte arena"
+            )
+        arena = mmap.mmap(-1, cls.arena_size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if self._free_ids:
+            arena_id = self._free_ids.pop()
+            self._arenas[arena_id] = arena
+        else:
+            arena_id = len(self._arenas)
+            self._arenas.append(arena)
+            if arena_id >= len(self._a_class):
+                self._grow(arena_id + 1)
+        self._a_class[arena_id] = cls.index
+        self._a_used[arena_id] = 0
+        self._a_free_head[arena_id] = _NO_CELL
+        self._a_bump[arena_id] = 0
+        self.allocated_bytes += cls.arena_size
+        return arena_id
+
+    def _release_arena(self, arena_id: int, cls: SizeClass) -> None:
+        # Every class has several cells per arena, so an arena about to empty is partial.
+        self._partial[cls.index].pop(arena_id, None)
+        arena = self._arenas[arena_id]
+        self._arenas[arena_id] = None
+        arena.close()
+        self._a_used[arena_id] = 0
+        self._free_ids.append(arena_id)
+        self.allocated_bytes -= cls.arena_size
+
+    def _grow(self, needed: int) -> None:
+        cap = max(needed, 2 * len(self._a_class))
+        for name in ("_a_class", "_a_used", "_a_free_head", "_a_bump"):
+            old = getattr(self, name)
+            new = np.zeros(cap, dtype=old.dtype)
+            new[: len(old)] = old
+            setattr(self, name, new)
+
+    # -- data ------------------------------------------------------------------------
+
+    def put(self, arena_id: int, cell: int, data) -> None:
+        cls = self.classes[int(self._a_class[arena_id])]
+        off = cell * cls.cell_size
+        self._arenas[arena_id][off : off + len(data)] = data
+
+    def get(self, arena_id: int, cell: int, length: int) -> bytes:
+        cls = self.classes[int(self._a_class[arena_id])]
+        off = cell * cls.cell_size
+        return self._arenas[arena_id][off : off + length]
+
+    # -- accounting ------------------------------------------------------------------
+
+    @property
+    def arena_count(self) -> int:
+        return len(self._arenas) - len(self._free_ids)
+
+    def meta_bytes(self) -> int:
+        """Bookkeeping held for the arenas: numpy arrays, id lists, mmap objects."""
+        arrays = sum(
+            a.nbytes for a in (self._a_class, self._a_used, self._a_free_head, self._a_bump)
+        )
+        # List slots are 8 bytes; a dict entry with its index is ~40 bytes.
+        pointers = 8 * (len(self._arenas) + len(self._free_ids))
+        pointers += 40 * sum(map(len, self._partial))
+        # A Python mmap object is ~80 bytes (CPython 3.11 mmap_object) plus its VMA in the kernel.
+        objects = 80 * self.arena_count
+        return arrays + pointers + objects
+
+    def class_usage(self) -> list[dict]:
+        """Per size class: arenas, cells in use (for fragmentation reports)."""
+        arenas = np.zeros(len(self.classes), dtype=np.int64)
+        cells = np.zeros(len(self.classes), dtype=np.int64)
+        for arena_id, arena in enumerate(self._arenas):
+            if arena is not None:
+                c = int(self._a_class[arena_id])
+                arenas[c] += 1
+                cells[c] += int(self._a_used[arena_id])
+        return [
+            {"cell_size": cls.cell_size, "arenas": int(arenas[i]), "cells": int(cells[i])}
+            for i, cls in enumerate(self.classes)
+            if arenas[i]
+        ]

@@ -1,0 +1,106 @@
+"""What runs inside nbdkit: the page store, its protection and its control socket.
+
+The nbdkit plugin hands its config keys to `Server.from_keys` and forwards every request
+here; the mapping of exceptions to errno values is the plugin's only other job.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+from . import protect
+from .config import Config, load_config
+from .control import ControlServer
+from .store import PageStore
+from .units import parse_size
+
+PLUGIN_KEYS = ("config", "size", "control")
+
+
+@dataclass
+class ServerOptions:
+    config_path: str | None = None
+    size: int | None = None
+    control: str | None = None
+
+    @classmethod
+    def from_keys(cls, keys: dict[str, str]) -> ServerOptions:
+        unknown = set(keys) - set(PLUGIN_KEYS)
+        if unknown:
+            raise ValueError(
+                f"unknown plugin key(s) {', '.join(sorted(unknown))} (known: {', '.join(PLUGIN_KEYS)})"
+            )
+        size = parse_size(keys["size"]) if "size" in keys else None
+        return cls(config_path=keys.get("config"), size=size, control=keys.get("control"))
+
+
+@dataclass
+class Protection:
+    memory_locked: str | None = "not tried"
+    oom_score: str | None = "not tried"
+    io_flusher: str | None = "not tried"
+    io_flusher_threads: set[int] = field(default_factory=set)
+
+
+class Server:
+    def __init__(self, options: ServerOptions, config: Config) -> None:
+        self.options = options
+        self.config = config
+        size = options.size if options.size is not None else config.device.size
+        if size % config.compression.page_size:
+            raise ValueError(f"size {size} is not a multiple of {config.compression.page_size}")
+        self.size = size
+        self.store: PageStore | None = None
+        self.control: ControlServer | None = None
+        self.protection = Protection()
+        self.started = time.time()
+        self._flusher_lock = threading.Lock()
+
+    @classmethod
+    def from_keys(cls, keys: dict[str, str]) -> Server:
+        options = ServerOptions.from_keys(keys)
+        return cls(options, load_config(options.config_path))
+
+    def start(self) -> None:
+        """After nbdkit forked: lock memory, build the store, open the control socket."""
+        # nbdkit --swap already did mlockall, but locks do not survive a fork; do it here too.
+        self.protection.memory_locked = protect.lock_memory()
+        self.protection.oom_score = protect.lower_oom_score()
+        self.protection.io_flusher = protect.set_io_flusher()
+        self.store = PageStore.from_config(self.size, self.config)
+        if self.options.control:
+            self.control = ControlServer(self.options.control, self.handlers())
+            self.control.start()
+
+    def stop(self) -> None:
+        if self.control is not None:
+            self.control.stop()
+
+    def on_request_thread(self) -> None:
+        """PR_SET_IO_FLUSHER is per thread; mark each nbdkit worker the first time it calls."""
+        ident = threading.get_ident()
+        if ident not in self.protection.io_flusher_threads:
+            with self._flusher_lock:
+                self.protection.io_flusher_threads.add(ident)
+            protect.set_io_flusher()
+
+    # -- control verbs ---------------------------------------------------------------
+
+    def handlers(self) -> dict:
+        return {"stats": self._stats, "ping": lambda req: {"pid": os.getpid()}}
+
+    def _stats(self, request: dict) -> dict:
+        stats = self.store.stats()
+        stats["server"] = {
+            "pid": os.getpid(),
+            "rss_bytes": protect.rss_bytes(),
+            "locked_bytes": protect.locked_bytes(),
+            "uptime_s": round(time.time() - self.started, 1),
+            "memory_locked": self.protection.memory_locked is None,
+            "oom_score_lowered": self.protection.oom_score is None,
+            "io_flusher": self.protection.io_flusher is None,
+        }
+        return stats
