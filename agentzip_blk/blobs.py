@@ -8,14 +8,21 @@ from __future__ import annotations
 
 import numpy as np
 
+POOL = 0
+DISK = 1
+
 _COLUMNS = {
     "arena": np.int32,  # pool arena id (or next free row while the row is free)
     "cell": np.uint32,  # cell index inside the arena
+    "tier": np.uint8,  # POOL or DISK
+    "disk_off": np.uint64,  # offset in the disk tier file while on DISK
     "length": np.uint16,  # stored bytes (compressed, or a whole page when raw)
     "codec": np.uint8,  # codec id (agentzip_blk.codec)
     "ref": np.uint32,  # slots pointing at this blob; 0 = free row
     "hash_lo": np.uint64,  # 128-bit content hash, low and high halves
     "hash_hi": np.uint64,
+    "atime": np.uint32,  # last access (read or write), in store ticks; 0 = never
+    "rtime": np.uint32,  # last read, for the hot test (two reads within hot_threshold_ms)
 }
 ROW_BYTES = sum(np.dtype(t).itemsize for t in _COLUMNS.values())
 
@@ -34,8 +41,12 @@ class BlobTable:
     def nbytes(self) -> int:
         return self.capacity * ROW_BYTES
 
+    def live(self) -> np.ndarray:
+        """Mask over all rows of the ones in use."""
+        return self.ref > 0
+
     def new(self, arena: int, cell: int, length: int, codec: int, lo: int, hi: int) -> int:
-        """A row with refcount 1."""
+        """A row with refcount 1, in the pool tier."""
         if self._free_head >= 0:
             blob = self._free_head
             self._free_head = int(self.arena[blob])
@@ -51,6 +62,10 @@ class BlobTable:
         self.ref[blob] = 1
         self.hash_lo[blob] = lo
         self.hash_hi[blob] = hi
+        self.tier[blob] = POOL
+        self.disk_off[blob] = 0
+        self.atime[blob] = 0
+        self.rtime[blob] = 0
         self.count += 1
         return blob
 

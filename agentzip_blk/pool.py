@@ -71,6 +71,7 @@ class Pool:
         self._a_used = np.zeros(cap, dtype=np.int32)
         self._a_free_head = np.zeros(cap, dtype=np.uint32)  # intrusive free list head
         self._a_bump = np.zeros(cap, dtype=np.uint32)  # cells never handed out start here
+        self._evacuating: set[int] = set()  # arenas being emptied by compaction
         self.allocated_bytes = 0  # arenas as mapped
         self.live_bytes = 0  # sum of cell sizes in use
         self.live_cells = 0
@@ -125,7 +126,7 @@ class Pool:
         arena[off : off + 4] = int(self._a_free_head[arena_id]).to_bytes(4, "little")
         self._a_free_head[arena_id] = cell
         self._a_used[arena_id] = used - 1
-        if used == cls.cells_per_arena:
+        if used == cls.cells_per_arena and arena_id not in self._evacuating:
             self._partial[cls.index][arena_id] = None
 
     def _new_arena(self, cls: SizeClass) -> int:
@@ -157,6 +158,7 @@ class Pool:
         self._arenas[arena_id] = None
         arena.close()
         self._a_used[arena_id] = 0
+        self._evacuating.discard(arena_id)
         self._free_ids.append(arena_id)
         self.allocated_bytes -= cls.arena_size
 
@@ -167,6 +169,42 @@ class Pool:
             new = np.zeros(cap, dtype=old.dtype)
             new[: len(old)] = old
             setattr(self, name, new)
+
+    # -- compaction ------------------------------------------------------------------
+
+    def arenas_of(self, class_index: int) -> tuple[np.ndarray, np.ndarray]:
+        """Live arena ids of a class and their used cell counts."""
+        n = len(self._arenas)
+        live = np.array([a is not None for a in self._arenas], dtype=bool)
+        ids = np.flatnonzero(live & (self._a_class[:n] == class_index))
+        return ids, self._a_used[ids].astype(np.int64)
+
+    def evacuation_plan(self, class_index: int) -> list[int]:
+        """The sparsest arenas of a class whose cells fit into the free cells of the rest."""
+        ids, used = self.arenas_of(class_index)
+        if len(ids) < 2:
+            return []
+        per_arena = self.classes[class_index].cells_per_arena
+        needed = -(-int(used.sum()) // per_arena)
+        order = np.argsort(-used, kind="stable")
+        return ids[order[needed:]].tolist()
+
+    def evacuate(self, arena_ids: list[int]) -> None:
+        """Stop allocating from these arenas; they are released when their last cell moves out."""
+        for arena_id in arena_ids:
+            self._evacuating.add(arena_id)
+            self._partial[int(self._a_class[arena_id])].pop(arena_id, None)
+
+    def end_evacuation(self) -> None:
+        """Arenas that still hold cells (an interrupted compaction) become allocatable again."""
+        for arena_id in list(self._evacuating):
+            cls = self.classes[int(self._a_class[arena_id])]
+            if self._arenas[arena_id] is not None and self._a_used[arena_id] < cls.cells_per_arena:
+                self._partial[cls.index][arena_id] = None
+        self._evacuating.clear()
+
+    def arena_size_of(self, length: int) -> int:
+        return self.class_for(length).arena_size
 
     # -- data ------------------------------------------------------------------------
 

@@ -3,32 +3,49 @@
 Write path for a request: split into whole pages (read-modify-write for unaligned edges);
 find same-filled pages for the whole request at once with numpy; for the rest, hash
 (128-bit xxh3), share an existing blob when the bytes are equal, else compress, store raw
-when compression does not pay, and put the result in a pool cell. All new blobs are staged
-first; only when every page of the request has a home are the slots switched over and the
-old blobs released, so a full pool or a codec failure leaves the device exactly as it was.
+when compression does not pay, and put the result in a pool cell (or, with the pool at its
+cap, straight in the disk tier). All new blobs are staged first; only when every page of
+the request has a home are the slots switched over and the old blobs released, so a full
+store or a codec failure leaves the device exactly as it was.
 
-The slot table is two preallocated numpy arrays (kind, handle): 9 bytes per slot and no
-Python object per page. `handle` is the blob id, or the repeated 64-bit word of a
+The slot table is preallocated numpy arrays (kind, handle, last read): 13 bytes per slot
+and no Python object per page. `handle` is the blob id, or the repeated 64-bit word of a
 same-filled page (zram's trick).
+
+Tiers: blobs live in the pool (memory) or the disk tier. Each blob carries its last access
+and last read tick; the maintenance worker (`maintain`) demotes the coldest to disk when
+the pool passes `reclaim_threshold`, and compacts the pool when it is fragmented. A read
+of a disk blob promotes it while the pool is below the threshold.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import xxhash
 
 from . import codec as codecs
-from .blobs import BlobTable
+from .blobs import DISK, POOL, BlobTable
 from .codec import CodecError, CodecSet, make_codec
 from .dedup import DedupIndex, index_key
+from .disk import DiskError, DiskFull, DiskTier
+from .hotcache import HotCache
 from .pool import MAX_COMPRESSED, Pool, PoolFull
 
 EMPTY = 0
 SAME = 1
 BLOB = 2
+
+TICKS_PER_SECOND = 100  # 10 ms ticks: uint32 lasts 497 days, then ticks are rebased
+_TICK_REBASE = 1 << 31
+HYSTERESIS_PERCENT = 5  # demotion stops this many points below reclaim_threshold
+FRAGMENTATION_TRIGGER = 0.20  # compact when this share of arena bytes holds no live cell
+_MIN_COMPACT_BYTES = 1 << 20
+_DEMOTE_CHUNK = 512  # blobs moved per lock hold, so requests wait at most one chunk
 
 _MASK64 = (1 << 64) - 1
 
@@ -42,7 +59,7 @@ class OutOfRange(StoreError):
 
 
 class StoreFull(StoreError):
-    """No room for the request's pages (ENOSPC); the kernel keeps them."""
+    """No room for the request's pages in any tier (ENOSPC); the kernel keeps them."""
 
 
 @dataclass
@@ -58,6 +75,49 @@ class Counters:
     errors: int = 0
     dedup_hits: int = 0
     hash_collisions: int = 0
+    pingpong: int = 0  # pages written again within hot_threshold_ms of being read
+    demotions: int = 0
+    promotions: int = 0
+    direct_to_disk: int = 0  # new pages written straight to disk (pool at its cap)
+    disk_full: int = 0
+    disk_errors: int = 0
+    compactions: int = 0
+    pages_moved: int = 0  # cells moved by compaction
+    hot_hits: int = 0
+
+
+@dataclass
+class Tiering:
+    """The `pool` and `policy` settings the store acts on."""
+
+    max_size: int = 8 << 30
+    reclaim_threshold: int = 80
+    swap_out_path: str | None = None  # None: no disk tier
+    swap_out_max_size: int = 0
+    defrag: bool = True
+    hot_threshold_ms: int = 1000
+    warm_threshold_ms: int = 10000
+    cold_grace_period: float = 30.0
+    hot_cache_size: int = 4 << 20
+
+    @classmethod
+    def from_config(cls, config) -> Tiering:
+        pool, policy = config.pool, config.policy
+        return cls(
+            max_size=pool.max_size,
+            reclaim_threshold=pool.reclaim_threshold,
+            swap_out_path=pool.swap_out_path,
+            swap_out_max_size=pool.swap_out_max_size,
+            defrag=pool.defrag,
+            hot_threshold_ms=policy.hot_threshold_ms,
+            warm_threshold_ms=policy.warm_threshold_ms,
+            cold_grace_period=policy.cold_grace_period,
+            hot_cache_size=policy.hot_cache_size,
+        )
+
+
+def _ticks(seconds: float) -> int:
+    return int(seconds * TICKS_PER_SECOND)
 
 
 class PageStore:
@@ -67,20 +127,33 @@ class PageStore:
         *,
         algorithm: str = "zstd",
         level: int = 3,
-        max_size: int = 8 << 30,
+        max_size: int | None = None,
+        tiering: Tiering | None = None,
         page_size: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if page_size != 4096:
             raise ValueError("only 4096-byte pages are supported")
         if size <= 0 or size % page_size:
             raise ValueError(f"device size {size} must be a positive multiple of {page_size}")
+        tiering = tiering or Tiering()
+        if max_size is not None:
+            tiering.max_size = max_size
+        self.tiering = tiering
         self.size = size
         self.page_size = page_size
         self.nslots = size // page_size
         self.kind = np.zeros(self.nslots, dtype=np.uint8)
         self.handle = np.zeros(self.nslots, dtype=np.uint64)
+        self.slot_rtime = np.zeros(self.nslots, dtype=np.uint32)  # for ping-pong
         self.codecs = CodecSet(make_codec(algorithm, level, page_size))
-        self.pool = Pool(max_size, page_size)
+        self.pool = Pool(tiering.max_size, page_size)
+        self.disk = (
+            DiskTier(tiering.swap_out_path, tiering.swap_out_max_size)
+            if tiering.swap_out_path
+            else None
+        )
+        self.hot = HotCache(tiering.hot_cache_size, page_size)
         self.blobs = BlobTable()
         self.index = DedupIndex()
         self.counters = Counters()
@@ -89,15 +162,27 @@ class PageStore:
         self.codec_pages = np.zeros(len(codecs.CODEC_NAMES), dtype=np.int64)
         self._zero_page = bytes(page_size)
         self._lock = threading.Lock()
+        self._clock = clock
+        self._t0 = clock()
+        self._tick_base = 0
+        self.reclaim_bytes = tiering.max_size * tiering.reclaim_threshold // 100
+        self.reclaim_target = max(
+            0, tiering.max_size * (tiering.reclaim_threshold - HYSTERESIS_PERCENT) // 100
+        )
+        self._hot_ticks = _ticks(tiering.hot_threshold_ms / 1000)
+        self._warm_ticks = _ticks(tiering.warm_threshold_ms / 1000)
+        self._cold_ticks = _ticks(tiering.cold_grace_period)
+        self.wake: Callable[[], None] = lambda: None  # set by the maintenance worker
 
     @classmethod
-    def from_config(cls, size: int, config) -> PageStore:
+    def from_config(cls, size: int, config, **kwargs) -> PageStore:
         return cls(
             size,
             algorithm=config.compression.algorithm,
             level=config.compression.level,
-            max_size=config.pool.max_size,
+            tiering=Tiering.from_config(config),
             page_size=config.compression.page_size,
+            **kwargs,
         )
 
     # -- public requests -------------------------------------------------------------
@@ -116,6 +201,8 @@ class PageStore:
                 self.counters.errors += 1
                 raise
             self.counters.bytes_written += len(data)
+        if self.pool.allocated_bytes >= self.reclaim_bytes:
+            self.wake()
 
     def readinto(self, buf, offset: int) -> None:
         out = memoryview(buf).cast("B")
@@ -149,17 +236,30 @@ class PageStore:
             self._discard(offset, length)
 
     def flush(self) -> None:
-        # Everything lives in memory; there is nothing to make durable (swap is not durable).
+        # Swap is not durable across a restart; the disk tier is written back per request.
         with self._lock:
             self.counters.flushes += 1
+
+    # -- clock -----------------------------------------------------------------------
+
+    def _now(self) -> int:
+        """The current tick, >= 1 (0 means "never")."""
+        tick = _ticks(self._clock() - self._t0) + 1 - self._tick_base
+        if tick >= _TICK_REBASE:
+            self._rebase(tick - _TICK_REBASE // 2)
+            tick -= _TICK_REBASE // 2
+        return tick
+
+    def _rebase(self, shift: int) -> None:
+        for times in (self.blobs.atime, self.blobs.rtime, self.slot_rtime):
+            times[:] = np.maximum(times.astype(np.int64) - shift, 0).astype(np.uint32)
+        self._tick_base += shift
 
     # -- ranges ----------------------------------------------------------------------
 
     def _check_range(self, offset: int, length: int) -> None:
         if offset < 0 or length < 0 or offset + length > self.size:
-            raise OutOfRange(
-                f"range {offset}+{length} outside the device (0..{self.size})"
-            )
+            raise OutOfRange(f"range {offset}+{length} outside the device (0..{self.size})")
 
     def _span(self, offset: int, length: int) -> tuple[int, int]:
         """First slot and slot count covering the byte range."""
@@ -177,7 +277,7 @@ class PageStore:
             return
         first, count = self._span(offset, len(data))
         whole = bytearray(count * page)
-        self._readinto_pages(memoryview(whole), first, count)
+        self._readinto_pages(memoryview(whole), first, count, touch=False)
         start = offset - first * page
         whole[start : start + len(data)] = data
         self._write_pages(first, memoryview(whole))
@@ -197,6 +297,7 @@ class PageStore:
         if offset % page:
             self._write(zeros[: inner_first * page - offset], offset)
         self._release_slots(inner_first, inner_end - inner_first)
+        self.slot_rtime[inner_first:inner_end] = 0
         if end % page:
             self._write(zeros[: end - inner_end * page], inner_end * page)
 
@@ -205,30 +306,40 @@ class PageStore:
     def _write_pages(self, first: int, data: memoryview) -> None:
         page = self.page_size
         count = len(data) // page
+        now = self._now()
         words = np.frombuffer(data, dtype=np.uint64).reshape(count, page // 8)
         same = (words == words[:, :1]).all(axis=1)
         new_kind = np.where(same, SAME, BLOB).astype(np.uint8)
         new_handle = np.where(same, words[:, 0], 0).astype(np.uint64)
         staged: list[int] = []
+        disk_before = self.disk.writes if self.disk else 0
         try:
             for i in np.flatnonzero(~same).tolist():
-                blob = self._intern(data[i * page : (i + 1) * page])
+                blob = self._intern(data[i * page : (i + 1) * page], now)
                 staged.append(blob)
                 new_handle[i] = blob
         except BaseException:
             for blob in staged:
                 self._unref(blob)
             raise
+        finally:
+            if self.disk and self.disk.writes != disk_before:
+                self._drop_disk_cache()
         if staged:
             self.codec_pages += np.bincount(
                 self.blobs.codec[staged], minlength=len(self.codec_pages)
             )
+        rtimes = self.slot_rtime[first : first + count].astype(np.int64)
+        self.counters.pingpong += int(
+            np.count_nonzero((rtimes > 0) & (now - rtimes <= self._hot_ticks))
+        )
+        self.slot_rtime[first : first + count] = 0
         self.same_pages += int(same.sum())
         self._release_slots(first, count)
         self.kind[first : first + count] = new_kind
         self.handle[first : first + count] = new_handle
 
-    def _intern(self, page: memoryview) -> int:
+    def _intern(self, page: memoryview, now: int) -> int:
         """A blob holding `page`, with one more reference: shared if present, else new."""
         digest = xxhash.xxh3_128_intdigest(page)
         lo, hi = digest & _MASK64, digest >> 64
@@ -237,7 +348,10 @@ class PageStore:
         for blob in self.index.candidates(key):
             if int(blobs.hash_hi[blob]) == hi and self._blob_bytes(blob) == page:
                 self._ref(blob)
+                blobs.atime[blob] = now
                 self.counters.dedup_hits += 1
+                if int(blobs.rtime[blob]) and now - int(blobs.rtime[blob]) <= self._hot_ticks:
+                    self.counters.pingpong += 1  # the same content came back right after a read
                 return blob
             self.counters.hash_collisions += 1
         compressed = self.codecs.writer.compress(page)
@@ -247,11 +361,40 @@ class PageStore:
         try:
             arena, cell = self.pool.alloc(len(compressed))
         except PoolFull as exc:
-            raise StoreFull(str(exc)) from None
-        self.pool.put(arena, cell, compressed)
-        blob = blobs.new(arena, cell, len(compressed), codec_id, lo, hi)
+            offset = self._disk_put(compressed, str(exc))
+            blob = blobs.new(-1, 0, len(compressed), codec_id, lo, hi)
+            blobs.tier[blob] = DISK
+            blobs.disk_off[blob] = offset
+            self.counters.direct_to_disk += 1
+        else:
+            self.pool.put(arena, cell, compressed)
+            blob = blobs.new(arena, cell, len(compressed), codec_id, lo, hi)
+        blobs.atime[blob] = now
         self.index.insert(key, blob)
         return blob
+
+    def _disk_put(self, data, why_not_pool: str) -> int:
+        if self.disk is None:
+            raise StoreFull(why_not_pool)
+        try:
+            offset = self.disk.alloc(len(data))
+        except DiskFull as exc:
+            self.counters.disk_full += 1
+            raise StoreFull(f"{why_not_pool}; {exc}") from None
+        try:
+            self.disk.write(offset, data)
+        except DiskError:
+            self.disk.free(offset, len(data))
+            self.counters.disk_errors += 1
+            raise
+        return offset
+
+    def _drop_disk_cache(self) -> None:
+        try:
+            self.disk.drop_cache()
+        except DiskError:
+            self.counters.disk_errors += 1
+            raise
 
     def _ref(self, blob: int) -> None:
         ref = int(self.blobs.ref[blob]) + 1
@@ -266,7 +409,11 @@ class PageStore:
             self.shared_pages -= 2 if ref == 1 else 1
             return
         self.index.remove(index_key(int(blobs.hash_lo[blob])), blob)
-        self.pool.free(int(blobs.arena[blob]), int(blobs.cell[blob]))
+        self.hot.discard(blob)
+        if blobs.tier[blob] == POOL:
+            self.pool.free(int(blobs.arena[blob]), int(blobs.cell[blob]))
+        else:
+            self.disk.free(int(blobs.disk_off[blob]), int(blobs.length[blob]))
         blobs.delete(blob)
 
     def _release_slots(self, first: int, count: int) -> None:
@@ -284,10 +431,23 @@ class PageStore:
         kinds[:] = EMPTY
         self.handle[first : first + count] = 0
 
-    def _blob_bytes(self, blob: int) -> bytes:
+    def _stored_bytes(self, blob: int) -> bytes:
         blobs = self.blobs
-        stored = self.pool.get(int(blobs.arena[blob]), int(blobs.cell[blob]), int(blobs.length[blob]))
-        return self.codecs.decompress(int(blobs.codec[blob]), stored)
+        length = int(blobs.length[blob])
+        if blobs.tier[blob] == POOL:
+            return self.pool.get(int(blobs.arena[blob]), int(blobs.cell[blob]), length)
+        try:
+            return self.disk.read(int(blobs.disk_off[blob]), length)
+        except DiskError:
+            self.counters.disk_errors += 1
+            raise
+
+    def _blob_bytes(self, blob: int) -> bytes:
+        cached = self.hot.get(blob)
+        if cached is not None:
+            self.counters.hot_hits += 1
+            return cached
+        return self.codecs.decompress(int(self.blobs.codec[blob]), self._stored_bytes(blob))
 
     def _readinto(self, out: memoryview, offset: int) -> None:
         if not out:
@@ -302,7 +462,7 @@ class PageStore:
         start = offset - first * page
         out[:] = whole[start : start + len(out)]
 
-    def _readinto_pages(self, out: memoryview, first: int, count: int) -> None:
+    def _readinto_pages(self, out: memoryview, first: int, count: int, touch: bool = True) -> None:
         page = self.page_size
         kinds = self.kind[first : first + count]
         handles = self.handle[first : first + count]
@@ -311,34 +471,180 @@ class PageStore:
                 out[i * page : (i + 1) * page] = self._zero_page
             else:
                 out[i * page : (i + 1) * page] = handles[i : i + 1].tobytes() * (page // 8)
-        for i in np.flatnonzero(kinds == BLOB).tolist():
-            out[i * page : (i + 1) * page] = self._blob_bytes(int(handles[i]))
+        held = np.flatnonzero(kinds == BLOB)
+        if not len(held):
+            return
+        ids = handles[held].astype(np.int64)
+        hot = np.zeros(len(held), dtype=bool)
+        if touch:
+            now = self._now()
+            last = self.blobs.rtime[ids].astype(np.int64)
+            hot = (last > 0) & (now - last <= self._hot_ticks)
+            self.blobs.rtime[ids] = now
+            self.blobs.atime[ids] = now
+            self.slot_rtime[first : first + count][held] = now
+        for i, blob, is_hot in zip(held.tolist(), ids.tolist(), hot.tolist()):
+            data = self.hot.get(blob)
+            if data is None:
+                stored = self._stored_bytes(blob)
+                data = self.codecs.decompress(int(self.blobs.codec[blob]), stored)
+                if touch and self.blobs.tier[blob] == DISK:
+                    self._promote(blob, stored)
+            else:
+                self.counters.hot_hits += 1
+            out[i * page : (i + 1) * page] = data
+            if is_hot:
+                self.hot.put(blob, data)
+
+    # -- tiers -----------------------------------------------------------------------
+
+    def _promote(self, blob: int, data: bytes) -> None:
+        """Bring a disk blob back to the pool while the pool is below its threshold."""
+        blobs = self.blobs
+        length = int(blobs.length[blob])
+        if self.pool.allocated_bytes + self.pool.arena_size_of(length) > self.reclaim_bytes:
+            return
+        try:
+            arena, cell = self.pool.alloc(length)
+        except PoolFull:
+            return
+        self.pool.put(arena, cell, data)
+        self.disk.free(int(blobs.disk_off[blob]), length)
+        blobs.arena[blob], blobs.cell[blob], blobs.tier[blob] = arena, cell, POOL
+        self.counters.promotions += 1
+
+    def _demote(self, blob: int) -> bool:
+        """Move one pool blob to disk; False when the disk cannot take it."""
+        blobs = self.blobs
+        data = self._stored_bytes(blob)
+        try:
+            offset = self._disk_put(data, "demotion")
+        except (StoreFull, DiskError):
+            return False
+        self.pool.free(int(blobs.arena[blob]), int(blobs.cell[blob]))
+        blobs.arena[blob], blobs.tier[blob], blobs.disk_off[blob] = -1, DISK, offset
+        self.counters.demotions += 1
+        return True
+
+    def demote_cold(self, limit: int = _DEMOTE_CHUNK) -> int:
+        """Demote up to `limit` of the oldest cold pool blobs to disk; returns blobs moved."""
+        if self.disk is None:
+            return 0
+        with self._lock:
+            blobs = self.blobs
+            now = self._now()
+            n = blobs.capacity
+            candidates = np.flatnonzero(
+                (blobs.ref[:n] > 0)
+                & (blobs.tier[:n] == POOL)
+                & (now - blobs.atime[:n].astype(np.int64) >= self._cold_ticks)
+            )
+            if not len(candidates):
+                return 0
+            oldest = candidates[np.argsort(blobs.atime[candidates], kind="stable")][:limit]
+            moved = 0
+            try:
+                for blob in oldest.tolist():
+                    if not self._demote(blob):
+                        break
+                    moved += 1
+            finally:
+                if moved:
+                    self._drop_disk_cache()
+            return moved
+
+    def fragmentation(self) -> float:
+        allocated = self.pool.allocated_bytes
+        return 1 - self.pool.live_bytes / allocated if allocated else 0.0
+
+    def needs_compaction(self) -> bool:
+        wasted = self.pool.allocated_bytes - self.pool.live_bytes
+        return wasted >= _MIN_COMPACT_BYTES and self.fragmentation() >= FRAGMENTATION_TRIGGER
+
+    def compact(self) -> int:
+        """Move live cells out of the sparsest arenas of each class; returns cells moved."""
+        moved = 0
+        for cls in self.pool.classes:
+            with self._lock:
+                moved += self._compact_class(cls.index)
+        with self._lock:
+            self.counters.compactions += 1
+        return moved
+
+    def _compact_class(self, class_index: int) -> int:
+        sources = self.pool.evacuation_plan(class_index)
+        if not sources:
+            return 0
+        blobs, pool = self.blobs, self.pool
+        n = blobs.capacity
+        movers = np.flatnonzero(
+            (blobs.ref[:n] > 0) & (blobs.tier[:n] == POOL) & np.isin(blobs.arena[:n], sources)
+        )
+        pool.evacuate(sources)
+        try:
+            for blob in movers.tolist():
+                length = int(blobs.length[blob])
+                data = pool.get(int(blobs.arena[blob]), int(blobs.cell[blob]), length)
+                arena, cell = pool.alloc(length)
+                pool.put(arena, cell, data)
+                pool.free(int(blobs.arena[blob]), int(blobs.cell[blob]))
+                blobs.arena[blob], blobs.cell[blob] = arena, cell
+        finally:
+            pool.end_evacuation()
+        self.counters.pages_moved += len(movers)
+        return len(movers)
+
+    def maintain(self) -> dict:
+        """One round of background work: demote while above the threshold, then compact."""
+        demoted = 0
+        reclaiming = self.pool.allocated_bytes >= self.reclaim_bytes
+        while reclaiming and self.pool.allocated_bytes > self.reclaim_target:
+            moved = self.demote_cold()
+            if not moved:
+                break
+            demoted += moved
+            # Demotion frees cells all over the pool; arenas only go back once compacted.
+            if self.tiering.defrag and self.pool.allocated_bytes > self.reclaim_target:
+                self.compact()
+        compacted = 0
+        if self.tiering.defrag and self.needs_compaction():
+            compacted = self.compact()
+        return {"demoted": demoted, "compacted": compacted}
 
     # -- accounting ------------------------------------------------------------------
 
     def meta_bytes(self) -> int:
-        """Everything held besides pool arenas: slot table, blob table, index, codecs, pool books."""
+        """Everything held in memory besides pool arenas."""
         return (
             self.kind.nbytes
             + self.handle.nbytes
+            + self.slot_rtime.nbytes
             + self.blobs.nbytes
             + self.index.nbytes
             + self.codecs.memory_bytes()
             + self.pool.meta_bytes()
+            + (self.disk.meta_bytes() if self.disk else 0)
         )
 
     def stored_mem(self) -> int:
-        return self.pool.allocated_bytes + self.meta_bytes()
+        return self.pool.allocated_bytes + self.meta_bytes() + self.hot.nbytes
 
     def stats(self) -> dict:
         with self._lock:
             return self._stats()
 
     def _stats(self) -> dict:
+        page = self.page_size
         blob_pages = int(self.codec_pages.sum())
         pages = self.same_pages + blob_pages
-        orig = pages * self.page_size
+        orig = pages * page
         stored = self.stored_mem()
+        blobs = self.blobs
+        slot_blobs = self.handle[self.kind == BLOB].astype(np.int64)
+        tier_pages = np.bincount(blobs.tier[slot_blobs], minlength=2)
+        live = blobs.live()
+        lengths = blobs.length.astype(np.int64)
+        disk_stored = int(lengths[live & (blobs.tier == DISK)].sum())
         codec_pages = {
             name: int(self.codec_pages[cid])
             for cid, name in codecs.CODEC_NAMES.items()
@@ -347,7 +653,7 @@ class PageStore:
         return {
             "size": self.size,
             "slots": self.nslots,
-            "page_size": self.page_size,
+            "page_size": page,
             "algorithm": self.codecs.writer.name,
             "orig_mem": orig,
             "stored_mem": stored,
@@ -357,39 +663,85 @@ class PageStore:
             "raw_pages": int(self.codec_pages[codecs.RAW]),
             "compressed_pages": blob_pages - int(self.codec_pages[codecs.RAW]),
             "shared_pages": self.shared_pages,
-            "unique_blobs": self.blobs.count,
-            "dedup_saved_pages": blob_pages - self.blobs.count,
+            "unique_blobs": blobs.count,
+            "dedup_saved_pages": blob_pages - blobs.count,
             "codec_pages": codec_pages,
             "pool_bytes": self.pool.allocated_bytes,
             "pool_live_bytes": self.pool.live_bytes,
             "pool_arenas": self.pool.arena_count,
-            "compressed_bytes": int(
-                self.blobs.length[: self.blobs.capacity][self.blobs.ref > 0].astype(np.int64).sum()
-            ),
+            "fragmentation": round(self.fragmentation(), 4),
+            "compressed_bytes": int(lengths[live].sum()),
             "meta_bytes": self.meta_bytes(),
+            "hot_cache_bytes": self.hot.nbytes,
             "max_size": self.pool.max_size,
+            "reclaim_bytes": self.reclaim_bytes,
+            "disk_mem": self.disk.file_size if self.disk else 0,
+            "tiers": {
+                "pool": {
+                    "pages": int(tier_pages[POOL]) + self.same_pages,
+                    "orig_bytes": (int(tier_pages[POOL]) + self.same_pages) * page,
+                    "stored_bytes": stored,
+                },
+                "disk": {
+                    "pages": int(tier_pages[DISK]),
+                    "orig_bytes": int(tier_pages[DISK]) * page,
+                    "stored_bytes": disk_stored,
+                    "file_bytes": self.disk.file_size if self.disk else 0,
+                    "reads": self.disk.reads if self.disk else 0,
+                    "writes": self.disk.writes if self.disk else 0,
+                },
+            },
+            "temperature": self._temperature(slot_blobs),
             **asdict(self.counters),
+        }
+
+    def _temperature(self, slot_blobs: np.ndarray) -> dict:
+        """Pages by temperature: hot (in the hot cache), warm (accessed within
+        warm_threshold_ms), cold (untouched for cold_grace_period), idle (in between)."""
+        if not len(slot_blobs):
+            return {"hot": 0, "warm": 0, "idle": 0, "cold": 0}
+        age = self._now() - self.blobs.atime[slot_blobs].astype(np.int64)
+        in_cache = np.isin(slot_blobs, np.array(self.hot.keys(), dtype=np.int64))
+        warm = ~in_cache & (age <= self._warm_ticks)
+        cold = ~in_cache & (age >= self._cold_ticks)
+        hot = int(in_cache.sum())
+        return {
+            "hot": hot,
+            "warm": int(warm.sum()),
+            "idle": len(slot_blobs) - hot - int(warm.sum()) - int(cold.sum()),
+            "cold": int(cold.sum()),
         }
 
     def check(self) -> None:
         """Cross-check every invariant of the books; raises AssertionError. For tests."""
         with self._lock:
+            blobs = self.blobs
             blob_slots = self.handle[self.kind == BLOB].astype(np.int64)
-            refs = np.bincount(blob_slots, minlength=self.blobs.capacity)[: self.blobs.capacity]
-            assert np.array_equal(refs, self.blobs.ref.astype(np.int64)), "refcounts disagree"
-            assert self.blobs.count == int(np.count_nonzero(refs)), "blob count disagrees"
-            assert self.index.count == self.blobs.count, "index and blob table disagree"
+            refs = np.bincount(blob_slots, minlength=blobs.capacity)[: blobs.capacity]
+            assert np.array_equal(refs, blobs.ref.astype(np.int64)), "refcounts disagree"
+            assert blobs.count == int(np.count_nonzero(refs)), "blob count disagrees"
+            assert self.index.count == blobs.count, "index and blob table disagree"
             assert self.same_pages == int(np.count_nonzero(self.kind == SAME))
             assert int(self.codec_pages.sum()) == len(blob_slots)
             assert self.shared_pages == int(refs[refs > 1].sum())
-            assert self.pool.live_cells == self.blobs.count, "pool cells leak"
-            live = self.blobs.ref > 0
-            cells = sum(self.pool.class_for(int(n)).cell_size for n in self.blobs.length[live])
+            live = blobs.live()
+            in_pool = live & (blobs.tier == POOL)
+            assert self.pool.live_cells == int(in_pool.sum()), "pool cells leak"
+            cells = sum(self.pool.class_for(int(n)).cell_size for n in blobs.length[in_pool])
             assert self.pool.live_bytes == cells
+            assert self.pool.allocated_bytes <= self.pool.max_size, "pool over its cap"
+            on_disk = live & (blobs.tier == DISK)
+            if self.disk is not None:
+                units = (-(-blobs.length[on_disk].astype(np.int64) // 64) * 64).sum()
+                assert self.disk.live_bytes == int(units), "disk extents leak"
+            else:
+                assert not on_disk.any()
 
     def close(self) -> None:
         with self._lock:
             self._release_slots(0, self.nslots)
+            if self.disk is not None:
+                self.disk.close()
 
 
-__all__ = ["PageStore", "StoreError", "StoreFull", "OutOfRange", "CodecError"]
+__all__ = ["PageStore", "Tiering", "StoreError", "StoreFull", "OutOfRange", "CodecError"]

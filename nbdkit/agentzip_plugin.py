@@ -1,6 +1,6 @@
 """nbdkit Python plugin (API version 2): config keys in, agentzip_blk.server calls out.
 
-    nbdkit --swap -f -U SOCK python agentzip_plugin.py config=PATH size=BYTES control=PATH
+    nbdkit -f -U SOCK python agentzip_plugin.py config=PATH size=BYTES control=PATH
 
 Errors: EINVAL for ranges outside the device, ENOSPC when the store cannot take a page
 (the kernel keeps it), EIO for anything else. The store changes nothing on a failed request.

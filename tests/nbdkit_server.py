@@ -59,10 +59,12 @@ def start_server(tmp: Path, size: str = "64M", config: Path | None = None,
     nbd_socket = str(tmp / "nbd.sock")
     control_socket = str(tmp / "control.sock")
     log = tmp / "nbdkit.log"
+    if config is None:
+        # Never the default /var/lib path: tests must not share a disk tier file.
+        config = tmp / "config.yaml"
+        config.write_text(f"pool:\n  swap_out_path: {tmp / 'disk-tier'}\n")
     cmd = ["nbdkit", "-f", "-U", nbd_socket, "python", str(PLUGIN), f"size={size}",
-           f"control={control_socket}"]
-    if config is not None:
-        cmd.append(f"config={config}")
+           f"control={control_socket}", f"config={config}"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=plugin_env())
     server = RunningServer(proc, nbd_socket, control_socket, log)

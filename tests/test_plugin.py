@@ -137,7 +137,10 @@ def test_plugin_maps_store_errors_to_errno(monkeypatch):
 
 def test_full_pool_is_enospc_and_loses_nothing(tmp_path):
     config = tmp_path / "config.yaml"
-    config.write_text("pool:\n  max_size: 1MB\n")
+    # Both tiers tiny: 1 MiB of pool, 1 MiB of disk.
+    config.write_text(
+        f"pool:\n  max_size: 1MB\n  swap_out_path: {tmp_path / 'disk'}\n  swap_out_max_size: 1MB\n"
+    )
     srv = start_server(tmp_path, size=str(SIZE), config=config)
     h = nbd.NBD()
     try:
@@ -149,12 +152,14 @@ def test_full_pool_is_enospc_and_loses_nothing(tmp_path):
                 h.pwrite(chunk, i * 4 * PAGE)
                 written.append(chunk)
         assert err.value.errno == "ENOSPC"
-        assert len(written) >= 16
+        assert len(written) >= 32  # the pool and then the disk tier took pages
         for i, chunk in enumerate(written):
             assert h.pread(len(chunk), i * 4 * PAGE) == chunk
         stats = request(srv.control_socket, "stats")
         assert stats["enospc"] == 1
         assert stats["pool_bytes"] <= 1 << 20
+        assert stats["direct_to_disk"] > 0 and stats["disk_full"] >= 1
+        assert stats["tiers"]["disk"]["pages"] + stats["tiers"]["pool"]["pages"] == stats["pages"]
         h.shutdown()
     finally:
         srv.stop()

@@ -91,7 +91,7 @@ class StoreModel(RuleBasedStateMachine):
     def books_balance(self) -> None:
         self.store.check()
         stats = self.store.stats()
-        assert stats["stored_mem"] == stats["pool_bytes"] + stats["meta_bytes"]
+        assert stats["stored_mem"] == stats["pool_bytes"] + stats["meta_bytes"] + stats["hot_cache_bytes"]
         assert stats["pool_bytes"] == self.store.pool.allocated_bytes
 
     @precondition(lambda self: True)

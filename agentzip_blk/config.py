@@ -1,0 +1,358 @@
+"""Configuration: the /etc/agentzip/config.yaml schema, its defaults and strict validation.
+
+The program must not start on a bad config, so every problem is a ConfigError whose message names
+the dotted key, the offending value and what is allowed, e.g.
+``compression.level: 25 is out of range (zstd: 1-19)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from .units import parse_duration, parse_size
+
+DEFAULT_CONFIG_PATH = "/etc/agentzip/config.yaml"
+
+ALGORITHMS = ("zstd", "lz4", "lz4hc")
+# Allowed compression levels per algorithm:
+# - zstd 1-19: 20-22 ("ultra") need huge windows that buy nothing on 4 KiB pages; negative
+#   "fast" levels are what lz4 is for.
+# - lz4 0-16: plain lz4 has no level, so it is ignored, but it is still checked (lz4.frame's
+#   range) so a typo is caught and switching algorithm back does not silently keep a bad value.
+# - lz4hc 1-12: LZ4HC_CLEVEL_MAX is 12.
+LEVEL_RANGES: dict[str, tuple[int, int]] = {"zstd": (1, 19), "lz4": (0, 16), "lz4hc": (1, 12)}
+DICTIONARY_MODES = ("auto", "prebuilt", "none")
+# The store, the codec framing and swap itself all work in 4 KiB pages; nothing else is supported.
+SUPPORTED_PAGE_SIZE = 4096
+MIN_SIZE = 1 << 20  # 1 MiB: anything smaller cannot hold a useful amount of swap
+SWAP_PRIORITY_RANGE = (-1, 32767)  # swapon(8): -1 = kernel default, 0..32767 explicit
+
+# Which dictionary names exist is decided by the dictionaries module, which sets this to the set
+# of shipped names; while it is None, names are only checked for syntax.
+KNOWN_DICTIONARIES: set[str] | None = None
+_DICTIONARY_NAME = re.compile(r"[a-z0-9_-]+")
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key and the value."""
+
+
+@dataclass
+class CompressionConfig:
+    algorithm: str = "zstd"
+    level: int = 3
+    dictionary: str | list[str] = "auto"  # "auto" | "prebuilt" | "none" | list of names
+    page_size: int = SUPPORTED_PAGE_SIZE
+
+
+@dataclass
+class PoolConfig:
+    max_size: int = 8 << 30
+    reclaim_threshold: int = 80  # percent of max_size
+    swap_out_path: str = "/var/lib/agentzip/swapfile"
+    swap_out_max_size: int = 0  # bytes of disk tier; 0 = as much as the filesystem holds
+    defrag: bool = True
+
+
+@dataclass
+class PolicyConfig:
+    hot_threshold_ms: int = 1000
+    warm_threshold_ms: int = 10000
+    cold_grace_period: float = 30.0  # seconds
+    hot_cache_size: int = 4 << 20  # bytes of uncompressed hot pages kept; 0 = no cache
+
+
+@dataclass
+class Scope:
+    cgroup: str  # fnmatch-style glob
+    enabled: bool = True
+
+
+@dataclass
+class DeviceConfig:
+    size: int = 8 << 30  # logical size of the block device
+    swap_priority: int = 100
+    run_dir: str = "/run/agentzip"
+
+
+def _default_scopes() -> list[Scope]:
+    return [Scope("agent-sandbox-*.slice")]
+
+
+@dataclass
+class Config:
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    scopes: list[Scope] = field(default_factory=_default_scopes)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Normalized plain-dict form (sizes in bytes, durations in seconds); parse_config accepts it."""
+        return dataclasses.asdict(self)
+
+
+# --- validation helpers: each takes the dotted key so messages can name it -----------------------
+
+def _mapping(value: Any, key: str, cls: type) -> Mapping:
+    """Check a section is a mapping with only known keys; a null section means "all defaults"."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{key}: {value!r} must be a mapping")
+    known = [f.name for f in dataclasses.fields(cls)]
+    for name in value:
+        if name not in known:
+            close = difflib.get_close_matches(str(name), known, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            dotted = f"{key}.{name}" if key else str(name)
+            raise ConfigError(f"{dotted}: unknown key ({hint}known keys: {', '.join(known)})")
+    return value
+
+
+def _int(value: Any, key: str, lo: int, hi: int | None = None, allowed: str | None = None) -> int:
+    allowed = allowed or (f"{lo}-{hi}" if hi is not None else f">= {lo}")
+    # bool is an int subclass; `level: true` must not become level 1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key}: {value!r} must be an integer ({allowed})")
+    if value < lo or (hi is not None and value > hi):
+        raise ConfigError(f"{key}: {value} is out of range ({allowed})")
+    return value
+
+
+def _bool(value: Any, key: str) -> bool:
+    # Only real YAML booleans: a quoted "yes" or a 1 is more likely a mistake than intent.
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}: {value!r} must be true or false")
+    return value
+
+
+def _size(value: Any, key: str, minimum: int = MIN_SIZE) -> int:
+    try:
+        size = parse_size(value)
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from None
+    if size < minimum:
+        raise ConfigError(f"{key}: {value!r} is too small (minimum {minimum} bytes)")
+    return size
+
+
+def _abs_path(value: Any, key: str) -> str:
+    if not isinstance(value, str) or not os.path.isabs(value) or "\0" in value or "\n" in value:
+        raise ConfigError(f"{key}: {value!r} must be an absolute path")
+    return value
+
+
+def _glob_problem(pattern: str) -> str | None:
+    """Why `pattern` is not a sensible fnmatch glob, or None.
+
+    fnmatch itself never fails: an unclosed '[' silently matches a literal '[', which would make a
+    scope quietly match nothing. Bracket parsing mirrors fnmatch.translate ('!' negates, a ']'
+    right after the opening bracket is literal).
+    """
+    if not pattern:
+        return "must be a non-empty glob"
+    if "\0" in pattern or "\n" in pattern:
+        return "must not contain NUL or newline characters"
+    i = 0
+    while i < len(pattern):
+        if pattern[i] == "[":
+            j = i + 1
+            if pattern[j:j + 1] == "!":
+                j += 1
+            if pattern[j:j + 1] == "]":
+                j += 1
+            close = pattern.find("]", j)
+            if close < 0:
+                return f"has an unbalanced '[' at position {i}"
+            i = close + 1
+        else:
+            i += 1
+    return None
+
+
+# --- sections ---------------------------------------------------------------------------------
+
+def _parse_dictionary(value: Any, key: str) -> str | list[str]:
+    allowed = f"{', '.join(DICTIONARY_MODES)}, or a list / comma-separated string of dictionary names"
+    if isinstance(value, str):
+        if value.strip() in DICTIONARY_MODES:
+            return value.strip()
+        names = [part.strip() for part in value.split(",")]
+    elif isinstance(value, list) and value:
+        names = value
+    else:
+        raise ConfigError(f"{key}: {value!r} is not allowed (expected {allowed})")
+    result: list[str] = []
+    for name in names:
+        if not isinstance(name, str) or not _DICTIONARY_NAME.fullmatch(name):
+            raise ConfigError(f"{key}: {name!r} is not a valid dictionary name (use a-z, 0-9, '_', '-')")
+        if name in DICTIONARY_MODES:
+            raise ConfigError(f"{key}: {name!r} cannot be combined with dictionary names; use it alone")
+        if KNOWN_DICTIONARIES is not None and name not in KNOWN_DICTIONARIES:
+            known = sorted(KNOWN_DICTIONARIES)
+            raise ConfigError(f"{key}: unknown dictionary {name!r} (known: {', '.join(known) or 'none'})")
+        if name not in result:  # "v8,v8" is harmless; keep the first occurrence's order
+            result.append(name)
+    return result
+
+
+def _parse_compression(value: Any) -> CompressionConfig:
+    data = _mapping(value, "compression", CompressionConfig)
+    d = CompressionConfig()
+    algorithm = data.get("algorithm", d.algorithm)
+    if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
+        raise ConfigError(f"compression.algorithm: {algorithm!r} is not supported ({' | '.join(ALGORITHMS)})")
+    lo, hi = LEVEL_RANGES[algorithm]
+    level = _int(data.get("level", d.level), "compression.level", lo, hi, f"{algorithm}: {lo}-{hi}")
+    dictionary = _parse_dictionary(data.get("dictionary", d.dictionary), "compression.dictionary")
+    page_size = data.get("page_size", d.page_size)
+    try:
+        supported = parse_size(page_size) == SUPPORTED_PAGE_SIZE  # "4K" is fine too
+    except ValueError:
+        supported = False
+    if not supported:
+        raise ConfigError(f"compression.page_size: {page_size!r} is not supported (only 4096)")
+    return CompressionConfig(algorithm, level, dictionary, SUPPORTED_PAGE_SIZE)
+
+
+def _parse_pool(value: Any) -> PoolConfig:
+    data = _mapping(value, "pool", PoolConfig)
+    d = PoolConfig()
+    return PoolConfig(
+        max_size=_size(data.get("max_size", d.max_size), "pool.max_size"),
+        reclaim_threshold=_int(data.get("reclaim_threshold", d.reclaim_threshold),
+                               "pool.reclaim_threshold", 1, 100, "1-100 percent"),
+        swap_out_path=_abs_path(data.get("swap_out_path", d.swap_out_path), "pool.swap_out_path"),
+        swap_out_max_size=_size(data.get("swap_out_max_size", d.swap_out_max_size),
+                                "pool.swap_out_max_size", minimum=0),
+        defrag=_bool(data.get("defrag", d.defrag), "pool.defrag"),
+    )
+
+
+def _parse_policy(value: Any) -> PolicyConfig:
+    data = _mapping(value, "policy", PolicyConfig)
+    d = PolicyConfig()
+    hot = _int(data.get("hot_threshold_ms", d.hot_threshold_ms), "policy.hot_threshold_ms", 0,
+               allowed="milliseconds >= 0")
+    warm = _int(data.get("warm_threshold_ms", d.warm_threshold_ms), "policy.warm_threshold_ms", 0,
+                allowed="milliseconds >= 0")
+    if hot > warm:
+        # Blame the key the user actually wrote, so "warm: 500" alone is not reported as a hot problem.
+        if "hot_threshold_ms" in data:
+            raise ConfigError(f"policy.hot_threshold_ms: {hot} must not exceed policy.warm_threshold_ms ({warm})")
+        raise ConfigError(f"policy.warm_threshold_ms: {warm} is below policy.hot_threshold_ms ({hot})")
+    grace = data.get("cold_grace_period", d.cold_grace_period)
+    try:
+        seconds = parse_duration(grace)
+    except ValueError as e:
+        raise ConfigError(f"policy.cold_grace_period: {e}") from None
+    if seconds <= 0:
+        raise ConfigError(f"policy.cold_grace_period: {grace!r} must be greater than zero")
+    hot_cache = _size(data.get("hot_cache_size", d.hot_cache_size), "policy.hot_cache_size", minimum=0)
+    return PolicyConfig(hot, warm, seconds, hot_cache)
+
+
+def _parse_scopes(value: Any) -> list[Scope]:
+    if not isinstance(value, list):
+        # A null `scopes:` is rejected rather than guessed at: "no scopes" is spelled `scopes: []`.
+        raise ConfigError(f"scopes: {value!r} must be a list of {{cgroup: GLOB, enabled: BOOL}} (use [] for none)")
+    scopes = []
+    for i, item in enumerate(value):
+        key = f"scopes[{i}]"
+        data = _mapping(item, key, Scope)
+        if "cgroup" not in data:
+            raise ConfigError(f"{key}.cgroup: missing (each scope needs a cgroup glob)")
+        cgroup = data["cgroup"]
+        problem = _glob_problem(cgroup) if isinstance(cgroup, str) else "must be a string glob"
+        if problem:
+            raise ConfigError(f"{key}.cgroup: {cgroup!r} {problem}")
+        scopes.append(Scope(cgroup, _bool(data.get("enabled", True), f"{key}.enabled")))
+    return scopes
+
+
+def _parse_device(value: Any) -> DeviceConfig:
+    data = _mapping(value, "device", DeviceConfig)
+    d = DeviceConfig()
+    raw_size = data.get("size", d.size)
+    size = _size(raw_size, "device.size")
+    if size % SUPPORTED_PAGE_SIZE:  # the kernel swaps whole pages; a partial last page is useless
+        raise ConfigError(f"device.size: {raw_size!r} must be a multiple of {SUPPORTED_PAGE_SIZE} bytes")
+    lo, hi = SWAP_PRIORITY_RANGE
+    return DeviceConfig(
+        size=size,
+        swap_priority=_int(data.get("swap_priority", d.swap_priority), "device.swap_priority", lo, hi),
+        run_dir=_abs_path(data.get("run_dir", d.run_dir), "device.run_dir"),
+    )
+
+
+def parse_config(data: Mapping[str, Any]) -> Config:
+    """Validate a config mapping (e.g. parsed YAML, or Config.to_dict()) into a Config."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"top level: {data!r} must be a mapping of sections")
+    data = _mapping(data, "", Config)
+    return Config(
+        compression=_parse_compression(data.get("compression")),
+        pool=_parse_pool(data.get("pool")),
+        policy=_parse_policy(data.get("policy")),
+        scopes=_parse_scopes(data["scopes"]) if "scopes" in data else _default_scopes(),
+        device=_parse_device(data.get("device")),
+    )
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys; PyYAML silently keeps the last one, hiding mistakes."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen = []
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue  # `<<: *anchor` overrides are legitimate YAML
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                "while constructing a mapping", node.start_mark, f"duplicate key {key!r}", key_node.start_mark)
+        seen.append(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def load_config(path: str | os.PathLike[str] | None = None) -> Config:
+    """Load and validate a YAML config file.
+
+    None means DEFAULT_CONFIG_PATH if it exists, else all defaults; an explicitly named file must
+    exist. An empty file means all defaults. Every error is a ConfigError naming the path.
+    """
+    if path is None:
+        if not os.path.exists(DEFAULT_CONFIG_PATH):
+            return Config()
+        path = DEFAULT_CONFIG_PATH
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read config file: {e}") from None
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+        raise ConfigError(f"{where}: invalid YAML: {getattr(e, 'problem', None) or e}") from None
+    try:
+        return parse_config({} if data is None else data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
