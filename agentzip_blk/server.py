@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from . import protect
 from .config import Config, load_config
 from .control import ControlServer
+from .maintenance import Maintainer
 from .store import PageStore
 from .units import parse_size
 
@@ -55,6 +56,7 @@ class Server:
         self.size = size
         self.store: PageStore | None = None
         self.control: ControlServer | None = None
+        self.maintainer: Maintainer | None = None
         self.protection = Protection()
         self.started = time.time()
         self._flusher_lock = threading.Lock()
@@ -71,6 +73,8 @@ class Server:
         self.protection.oom_score = protect.lower_oom_score()
         self.protection.io_flusher = protect.set_io_flusher()
         self.store = PageStore.from_config(self.size, self.config)
+        self.maintainer = Maintainer(self.store)
+        self.maintainer.start()
         if self.options.control:
             self.control = ControlServer(self.options.control, self.handlers())
             self.control.start()
@@ -78,6 +82,10 @@ class Server:
     def stop(self) -> None:
         if self.control is not None:
             self.control.stop()
+        if self.maintainer is not None:
+            self.maintainer.stop()
+        if self.store is not None:
+            self.store.close()  # removes the disk tier file
 
     def on_request_thread(self) -> None:
         """PR_SET_IO_FLUSHER is per thread; mark each nbdkit worker the first time it calls."""
@@ -90,7 +98,22 @@ class Server:
     # -- control verbs ---------------------------------------------------------------
 
     def handlers(self) -> dict:
-        return {"stats": self._stats, "ping": lambda req: {"pid": os.getpid()}}
+        return {
+            "stats": self._stats,
+            "ping": lambda req: {"pid": os.getpid()},
+            "defrag": self._defrag,
+            "reclaim": self._reclaim,
+        }
+
+    def _defrag(self, request: dict) -> dict:
+        before = self.store.pool.allocated_bytes
+        moved = self.store.compact()
+        return {"pages_moved": moved, "pool_bytes_before": before,
+                "pool_bytes_after": self.store.pool.allocated_bytes}
+
+    def _reclaim(self, request: dict) -> dict:
+        """Run one maintenance round now (demotion above the threshold, compaction)."""
+        return self.store.maintain()
 
     def _stats(self, request: dict) -> dict:
         stats = self.store.stats()
@@ -102,5 +125,7 @@ class Server:
             "memory_locked": self.protection.memory_locked is None,
             "oom_score_lowered": self.protection.oom_score is None,
             "io_flusher": self.protection.io_flusher is None,
+            "maintenance_rounds": self.maintainer.rounds if self.maintainer else 0,
+            "maintenance_error": self.maintainer.last_error if self.maintainer else None,
         }
         return stats
