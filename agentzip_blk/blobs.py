@@ -41,6 +41,9 @@ class BlobTable:
     def nbytes(self) -> int:
         return self.capacity * ROW_BYTES
 
+    def arrays(self) -> list[np.ndarray]:
+        return [getattr(self, name) for name in _COLUMNS]
+
     def live(self) -> np.ndarray:
         """Mask over all rows of the ones in use."""
         return self.ref > 0

@@ -41,6 +41,9 @@ class DedupIndex:
     def nbytes(self) -> int:
         return self._keys.nbytes + self._vals.nbytes
 
+    def arrays(self) -> list[np.ndarray]:
+        return [self._keys, self._vals]
+
     def candidates(self, key: int) -> Iterator[int]:
         """Blob ids stored under `key` (usually zero or one)."""
         keys, mask = self._keys, self._mask

@@ -23,9 +23,11 @@ once the workload is idle, gradually.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import tempfile
@@ -494,15 +496,20 @@ def _squeeze(cg: MemoryCgroup, target: int, steps: int, prog: Progress, wl: Work
     info = {"start_usage": start, "target": target, "limits": limits, "ebusy": 0,
             "step_seconds": [], "error": None}
     swap0 = cg.swap_usage()
+    stop = threading.Event()
 
     def work():
         try:
             for lim in limits:
+                if stop.is_set():
+                    raise KeyboardInterrupt("squeeze abandoned")
                 t = time.monotonic()
                 for attempt in range(20):
                     try:
                         if cg.version == 2:
-                            cg.set_limit(lim, max_limit=None)  # memory.high only: no OOM kill
+                            # squeeze through memory.high; memory.max stays above the usage we
+                            # started from as a safety net (a max it cannot reach OOM-kills)
+                            cg.set_limit(lim, max_limit=start + start // 4)
                         else:
                             cg.set_limit(lim)
                         break
@@ -519,13 +526,16 @@ def _squeeze(cg: MemoryCgroup, target: int, steps: int, prog: Progress, wl: Work
     t0 = time.monotonic()
     th.start()
     span = max(start - target, 1)
-    while th.is_alive():
-        th.join(0.2)
-        try:
-            u, s = cg.usage(), cg.swap_usage()
-        except OSError:
-            continue
-        prog.bar((start - u) / span, f"usage {fmt(u)} -> {fmt(target)}, swapped {fmt(s - swap0)}")
+    try:
+        while th.is_alive():
+            th.join(0.2)
+            try:
+                u, s = cg.usage(), cg.swap_usage()
+            except OSError:
+                continue
+            prog.bar((start - u) / span, f"usage {fmt(u)} -> {fmt(target)}, swapped {fmt(s - swap0)}")
+    finally:
+        stop.set()  # interrupted: no further limit writes after the teardown lifts the limit
     info["seconds"] = time.monotonic() - t0
     prog.bar(1.0 if info["error"] is None else (start - cg.usage()) / span,
              f"usage {fmt(cg.usage())}, swapped {fmt(cg.swap_usage() - swap0)}")
@@ -578,6 +588,33 @@ def run_squeeze(swap_kind="agentzip", mb: float = DEFAULT_MB, *, seed: int = DEF
     a failure during the run is reported in the result (``ok`` False, ``error``), always after
     teardown: workload killed, cgroup removed, swapoff, device detached.
     """
+    with _teardown_on_signals():
+        return _run_squeeze(swap_kind, mb, seed=seed, config=config, config_path=config_path,
+                            run_dir=run_dir, limit_fraction=limit_fraction, steps=steps,
+                            progress=progress, allow_other_swap=allow_other_swap, settle=settle,
+                            timeout=timeout, zram_size=zram_size, python=python)
+
+
+@contextlib.contextmanager
+def _teardown_on_signals():
+    """SIGTERM/SIGHUP raise KeyboardInterrupt, so the teardown (swapoff, reset) still runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = {sig: signal.signal(sig, raise_interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+def _run_squeeze(swap_kind, mb, *, seed, config, config_path, run_dir, limit_fraction, steps,
+                 progress, allow_other_swap, settle, timeout, zram_size, python) -> dict:
     prog = progress or Progress()
     if os.geteuid() != 0:
         raise DemoError("the demo attaches swap and creates cgroups: run it as root")
@@ -792,6 +829,10 @@ def main(args) -> int:
     except DemoError as e:
         print(f"agentzip-blk demo: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("agentzip-blk demo: interrupted (workload stopped, cgroup removed, swap detached)",
+              file=sys.stderr)
+        return 130
     except Exception as e:  # ConfigError and friends: one line, not a traceback
         if type(e).__name__ == "ConfigError":
             print(f"agentzip-blk demo: {e}", file=sys.stderr)

@@ -62,3 +62,33 @@ def rss_bytes(pid: int | str = "self") -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+
+def resident_bytes(address: int, length: int) -> int:
+    """Bytes of [address, address+length) backed by memory now (mincore), page-rounded.
+
+    Large numpy arrays come from calloc'd mmaps: pages never written are not resident and
+    cost nothing, so a preallocated slot table for an 8 GiB device costs what is used.
+    """
+    if length <= 0:
+        return 0
+    start = address - address % _PAGE
+    end = address + length
+    pages = -(-(end - start) // _PAGE)
+    vec = (ctypes.c_ubyte * pages)()
+    if _libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), vec) != 0:
+        return length  # cannot tell: count it all
+    import numpy as np
+
+    return int(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8) & 1)) * _PAGE
+
+
+def array_resident_bytes(array) -> int:
+    """Resident bytes of a numpy array's buffer, never more than its size plus a page."""
+    if array.nbytes < 16 * _PAGE:  # small arrays live in malloc'd pages shared with others
+        return array.nbytes
+    return min(resident_bytes(array.ctypes.data, array.nbytes), array.nbytes + _PAGE)

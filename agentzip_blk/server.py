@@ -103,7 +103,17 @@ class Server:
             "ping": lambda req: {"pid": os.getpid()},
             "defrag": self._defrag,
             "reclaim": self._reclaim,
+            "slots": self._slots,
         }
+
+    def _slots(self, request: dict) -> dict:
+        """Per-slot sizes for `stats --cgroup`: request {"slots": [n, ...]} (at most 1M)."""
+        slots = request.get("slots")
+        if not isinstance(slots, list) or len(slots) > 1 << 20 or not all(
+            isinstance(n, int) and not isinstance(n, bool) for n in slots
+        ):
+            raise ValueError('"slots" must be a list of at most 1048576 integers')
+        return {"page_size": self.store.page_size, **self.store.slot_sizes(slots)}
 
     def _defrag(self, request: dict) -> dict:
         before = self.store.pool.allocated_bytes

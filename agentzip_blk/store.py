@@ -35,6 +35,7 @@ from .dedup import DedupIndex, index_key
 from .disk import DiskError, DiskFull, DiskTier
 from .hotcache import HotCache
 from .pool import MAX_COMPRESSED, Pool, PoolFull
+from .protect import array_resident_bytes
 
 EMPTY = 0
 SAME = 1
@@ -614,13 +615,12 @@ class PageStore:
     # -- accounting ------------------------------------------------------------------
 
     def meta_bytes(self) -> int:
-        """Everything held in memory besides pool arenas."""
+        """Everything held in memory besides pool arenas. The big preallocated tables count
+        their resident pages (mincore): a slot table for 8 GiB of device costs only the part
+        the kernel's swap allocator has used."""
+        tables = [self.kind, self.handle, self.slot_rtime, *self.blobs.arrays(), *self.index.arrays()]
         return (
-            self.kind.nbytes
-            + self.handle.nbytes
-            + self.slot_rtime.nbytes
-            + self.blobs.nbytes
-            + self.index.nbytes
+            sum(array_resident_bytes(a) for a in tables)
             + self.codecs.memory_bytes()
             + self.pool.meta_bytes()
             + (self.disk.meta_bytes() if self.disk else 0)
@@ -710,6 +710,26 @@ class PageStore:
             "warm": int(warm.sum()),
             "idle": len(slot_blobs) - hot - int(warm.sum()) - int(cold.sum()),
             "cold": int(cold.sum()),
+        }
+
+    def slot_sizes(self, slots) -> dict:
+        """What the given slots cost, for per-cgroup accounting: per slot the stored bytes
+        (a shared blob's length divided by its refcount; 0 for same-filled and empty slots),
+        whether it holds data, and its tier. Slots outside the device are reported as empty."""
+        slots = np.asarray(slots, dtype=np.int64)
+        valid = (slots >= 0) & (slots < self.nslots)
+        idx = np.where(valid, slots, 0)
+        with self._lock:
+            kinds = np.where(valid, self.kind[idx], EMPTY)
+            blob_ids = np.where(kinds == BLOB, self.handle[idx].astype(np.int64), 0)
+            lengths = self.blobs.length[blob_ids].astype(np.float64)
+            refs = np.maximum(self.blobs.ref[blob_ids].astype(np.float64), 1)
+            stored = np.where(kinds == BLOB, lengths / refs, 0.0)
+            tiers = np.where(kinds == BLOB, self.blobs.tier[blob_ids], POOL)
+        return {
+            "kind": kinds.astype(int).tolist(),
+            "stored": np.round(stored, 1).tolist(),
+            "tier": tiers.astype(int).tolist(),
         }
 
     def check(self) -> None:

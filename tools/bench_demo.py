@@ -101,6 +101,57 @@ def _pct(v):
     return "-" if v is None else f"{v * 100:.0f}%"
 
 
+def _median(vals):
+    vals = [v for v in vals if isinstance(v, (int, float))]
+    return statistics.median(vals) if vals else None
+
+
+def insights(doc: dict) -> list[str]:
+    """Where the bytes and the time go, from the device counters of every run."""
+    notes = []
+    for name, runs in doc["runs"].items():
+        ok = [r for r in runs if r.get("after")]
+        if not ok:
+            continue
+        dev = [r["after"]["device"] for r in ok]
+        orig = _median([d.get("orig_mem") for d in dev])
+        if "mm_stat" in dev[0]:
+            payload = _median([d["mm_stat"].get("compr_data_size") for d in dev])
+        else:
+            payload = _median([d.get("compressed_bytes") for d in dev])
+        stored = _median([d.get("stored_mem") for d in dev])
+        empty = _median([r.get("stored_mem_empty") for r in ok])
+        parts = []
+        if orig and payload:
+            parts.append(f"compressed payload {_m(payload)} MiB (orig/payload {orig / payload:.2f}x)")
+        if stored is not None and payload is not None:
+            parts.append(f"{_m(stored - payload)} MiB on top of it (allocator, metadata)")
+        if empty and empty > MiB:
+            parts.append(f"{_m(empty)} MiB of it held by the empty device "
+                         f"(orig/(stored-empty) {orig / max(stored - empty, 1):.2f}x)")
+        t = [r.get("touched", {}).get("device", {}) for r in ok]
+        a = [r["after"]["device"] for r in ok]
+        reads = _median([(x.get("reads") or 0) - (y.get("reads") or 0) for x, y in zip(t, a)
+                         if x.get("reads") is not None])
+        rbytes = _median([(x.get("bytes_read") or 0) - (y.get("bytes_read") or 0) for x, y in zip(t, a)
+                          if x.get("bytes_read") is not None])
+        writes = _median([y.get("writes") for y in a])
+        wbytes = _median([y.get("bytes_written") for y in a])
+        if reads:
+            parts.append(f"swap-in: {reads:.0f} read requests, {rbytes / reads / 1024:.1f} KiB each on average")
+        if writes:
+            parts.append(f"swap-out: {writes:.0f} write requests, {wbytes / writes / 1024:.0f} KiB each")
+        out_pages = _median([r.get("swapped_pswpout") for r in ok])
+        cg_sw = _median([r.get("swapped_cgroup") for r in ok])
+        if out_pages and cg_sw:
+            parts.append(f"pages written to swap {_m(out_pages)} MiB, cgroup swap usage {_m(cg_sw)} MiB")
+        ebusy = sum(r.get("squeeze", {}).get("ebusy", 0) for r in ok)
+        ooms = sum(r.get("oom_kills") or 0 for r in ok)
+        parts.append(f"EBUSY on limit writes: {ebusy}, OOM kills: {ooms}")
+        notes.append(f"{name}: " + "; ".join(parts) + ".")
+    return notes
+
+
 def markdown(doc: dict) -> str:
     m = doc["machine"]
     base = doc["base"]
@@ -154,7 +205,7 @@ def markdown(doc: dict) -> str:
         "minus our cgroup and the server): the machine is shared. *server RSS Δ*: nbdkit + "
         "nbdfuse RSS growth (zram keeps its pool in the kernel: 0).",
     ]
-    notes = doc.get("notes") or []
+    notes = list(doc.get("notes") or []) + insights(doc)
     lines += [f"- {n}" for n in notes]
     lines.append(END)
     return "\n".join(lines) + "\n"
@@ -208,7 +259,18 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(REPO, "results", "bench_demo.json"))
     ap.add_argument("--md", default=os.path.join(REPO, "BENCHMARKS.md"))
     ap.add_argument("--no-md", action="store_true", help="do not touch BENCHMARKS.md")
+    ap.add_argument("--from-json", metavar="PATH",
+                    help="no run: regenerate the BENCHMARKS.md section from a saved result")
     a = ap.parse_args(argv)
+
+    if a.from_json:
+        with open(a.from_json) as f:
+            doc = json.load(f)
+        section = markdown(doc)
+        if not a.no_md:
+            write_section(a.md, section)
+        print(section)
+        return 0
 
     backends = [b.strip() for b in a.backends.split(",") if b.strip()]
     config = None
