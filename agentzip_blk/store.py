@@ -46,7 +46,8 @@ _TICK_REBASE = 1 << 31
 HYSTERESIS_PERCENT = 5  # demotion stops this many points below reclaim_threshold
 FRAGMENTATION_TRIGGER = 0.20  # compact when this share of arena bytes holds no live cell
 _MIN_COMPACT_BYTES = 1 << 20
-_DEMOTE_CHUNK = 512  # blobs moved per lock hold, so requests wait at most one chunk
+_DEMOTE_CHUNK = 512
+_FEW_PAGES = 8  # requests up to this many pages take the scalar read path  # blobs moved per lock hold, so requests wait at most one chunk
 
 _MASK64 = (1 << 64) - 1
 
@@ -444,11 +445,7 @@ class PageStore:
             raise
 
     def _blob_bytes(self, blob: int) -> bytes:
-        cached = self.hot.get(blob)
-        if cached is not None:
-            self.counters.hot_hits += 1
-            return cached
-        return self.codecs.decompress(int(self.blobs.codec[blob]), self._stored_bytes(blob))
+        return self._fetch(blob, is_hot=False, touch=False)
 
     def _readinto(self, out: memoryview, offset: int) -> None:
         if not out:
@@ -464,6 +461,9 @@ class PageStore:
         out[:] = whole[start : start + len(out)]
 
     def _readinto_pages(self, out: memoryview, first: int, count: int, touch: bool = True) -> None:
+        if count <= _FEW_PAGES:
+            self._readinto_few(out, first, count, touch)
+            return
         page = self.page_size
         kinds = self.kind[first : first + count]
         handles = self.handle[first : first + count]
@@ -485,17 +485,46 @@ class PageStore:
             self.blobs.atime[ids] = now
             self.slot_rtime[first : first + count][held] = now
         for i, blob, is_hot in zip(held.tolist(), ids.tolist(), hot.tolist()):
-            data = self.hot.get(blob)
-            if data is None:
-                stored = self._stored_bytes(blob)
-                data = self.codecs.decompress(int(self.blobs.codec[blob]), stored)
-                if touch and self.blobs.tier[blob] == DISK:
-                    self._promote(blob, stored)
+            out[i * page : (i + 1) * page] = self._fetch(blob, is_hot, touch)
+
+    def _readinto_few(self, out: memoryview, first: int, count: int, touch: bool) -> None:
+        """The same as the vectorized path, page by page: a swap-in fault reads 1-8 pages,
+        and for those numpy's per-call overhead costs more than it saves."""
+        page = self.page_size
+        blobs = self.blobs
+        now = self._now() if touch else 0
+        for i in range(count):
+            slot = first + i
+            kind = self.kind[slot]
+            if kind == EMPTY:
+                out[i * page : (i + 1) * page] = self._zero_page
+            elif kind == SAME:
+                out[i * page : (i + 1) * page] = self.handle[slot : slot + 1].tobytes() * (page // 8)
             else:
-                self.counters.hot_hits += 1
-            out[i * page : (i + 1) * page] = data
-            if is_hot:
-                self.hot.put(blob, data)
+                blob = int(self.handle[slot])
+                is_hot = False
+                if touch:
+                    last = int(blobs.rtime[blob])
+                    is_hot = last > 0 and now - last <= self._hot_ticks
+                    blobs.rtime[blob] = now
+                    blobs.atime[blob] = now
+                    self.slot_rtime[slot] = now
+                out[i * page : (i + 1) * page] = self._fetch(blob, is_hot, touch)
+
+    def _fetch(self, blob: int, is_hot: bool, touch: bool) -> bytes:
+        """A blob's page: from the hot cache, or decompressed from its tier (a disk blob read
+        by a request is promoted when the pool has room)."""
+        data = self.hot.get(blob)
+        if data is not None:
+            self.counters.hot_hits += 1
+            return data
+        stored = self._stored_bytes(blob)
+        data = self.codecs.decompress(int(self.blobs.codec[blob]), stored)
+        if touch and self.blobs.tier[blob] == DISK:
+            self._promote(blob, stored)
+        if is_hot:
+            self.hot.put(blob, data)
+        return data
 
     # -- tiers -----------------------------------------------------------------------
 
