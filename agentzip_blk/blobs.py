@@ -18,6 +18,7 @@ _COLUMNS = {
     "disk_off": np.uint64,  # offset in the disk tier file while on DISK
     "length": np.uint16,  # stored bytes (compressed, or a whole page when raw)
     "codec": np.uint8,  # codec id (agentzip_blk.codec)
+    "dict_id": np.uint8,  # zstd dictionary id (agentzip_blk.dictionaries), 0 = none
     "ref": np.uint32,  # slots pointing at this blob; 0 = free row
     "hash_lo": np.uint64,  # 128-bit content hash, low and high halves
     "hash_hi": np.uint64,
@@ -48,7 +49,9 @@ class BlobTable:
         """Mask over all rows of the ones in use."""
         return self.ref > 0
 
-    def new(self, arena: int, cell: int, length: int, codec: int, lo: int, hi: int) -> int:
+    def new(
+        self, arena: int, cell: int, length: int, codec: int, lo: int, hi: int, dict_id: int = 0
+    ) -> int:
         """A row with refcount 1, in the pool tier."""
         if self._free_head >= 0:
             blob = self._free_head
@@ -62,6 +65,7 @@ class BlobTable:
         self.cell[blob] = cell
         self.length[blob] = length
         self.codec[blob] = codec
+        self.dict_id[blob] = dict_id
         self.ref[blob] = 1
         self.hash_lo[blob] = lo
         self.hash_hi[blob] = hi

@@ -17,7 +17,8 @@ import subprocess
 import sys
 import time
 
-from . import __version__, system
+from . import __version__, cli_dict, system
+from . import cli_cgstats, cli_doctor, cli_scope, cli_tune
 from .system import SetupError
 
 PROG = "agentzip-blk"
@@ -57,6 +58,8 @@ def _parse_size(text: str | None) -> int | None:
 def _load_config(args):
     """The Config named by --config (None: /etc/agentzip/config.yaml or defaults)."""
     from .config import load_config
+    from .dictionaries import publish_names
+    publish_names()  # so an unknown compression.dictionary name is a config error here too
     return load_config(args.config)
 
 
@@ -182,6 +185,8 @@ def cmd_down(args) -> int:
         return 0
     print(f"{res['device'] or 'device'}: detached, {_fmt(res['swapped_in'])} swapped back in "
           f"({res['seconds']:.1f}s); server stopped")
+    if res.get("cgroups"):
+        print(f"scoped cgroups: {res['cgroups']}")
     return 0
 
 
@@ -415,6 +420,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="agentzip | zram-lz4 | zram-lzo-rle (comparison)")
     s.add_argument("--json", action="store_true", help="print the result as JSON")
     s.set_defaults(func=cmd_demo)
+    cli_dict.register(sub)
+    cli_scope.register(sub)
+    cli_tune.register(sub)  # also adds `up --tune`
+    cli_doctor.register(sub)
+    cli_cgstats.register(sub)  # adds `stats --cgroup`
     return p
 
 

@@ -87,6 +87,42 @@ class ZstdCodec(Codec):
         return self._cctx.memory_size() + self._dctx.memory_size()
 
 
+class ZstdDictCodec(ZstdCodec):
+    """zstd with a raw-content dictionary (shares the ZSTD codec id; the store records the
+    dictionary id per blob next to it).
+
+    Raw content, not a trained dictionary with entropy tables: on 4 KiB pages the tables
+    made heaps worse (DESIGN.md, measured again in tools/dicts/train.py), while the content
+    alone gives zstd earlier matches. The dictionary is digested once (precompute_compress)
+    and both contexts are reused: loading it per page costs more than compressing.
+    """
+
+    def __init__(self, content: bytes, level: int = 3, page_size: int = 4096) -> None:
+        super().__init__(level, page_size)
+        self.content = bytes(content)
+        params = zstandard.ZstdCompressionParameters.from_level(
+            level,
+            source_size=page_size,
+            format=zstandard.FORMAT_ZSTD1_MAGICLESS,
+            write_content_size=False,
+            write_checksum=False,
+            write_dict_id=False,
+        )
+        cdict = zstandard.ZstdCompressionDict(self.content, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
+        cdict.precompute_compress(compression_params=params)
+        self._cctx = zstandard.ZstdCompressor(dict_data=cdict, compression_params=params)
+        ddict = zstandard.ZstdCompressionDict(self.content, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
+        self._dctx = zstandard.ZstdDecompressor(dict_data=ddict, format=zstandard.FORMAT_ZSTD1_MAGICLESS)
+        self._cdict = cdict
+        # The digested dictionary's match tables (zstd sizes them from these parameters;
+        # python-zstandard has no accessor for a CDict's size) + its copy of the content.
+        self._cdict_bytes = 4 * ((1 << params.hash_log) + (1 << params.chain_log)) + len(self.content)
+
+    def memory_bytes(self) -> int:
+        # contexts + the digested dictionary + the decoder's and our copies of the content
+        return super().memory_bytes() + self._cdict_bytes + 2 * len(self.content)
+
+
 class Lz4Codec(Codec):
     id = LZ4
     name = "lz4"
@@ -149,8 +185,10 @@ class CodecSet:
     every id has a decoder, and decoding does not depend on the level.
     """
 
-    def __init__(self, writer: Codec) -> None:
+    def __init__(self, writer: Codec, dictionaries=None) -> None:
         self.writer = writer
+        # agentzip_blk.dictionaries.DictionaryRegistry (or None): decoders for dict ids > 0
+        self.dictionaries = dictionaries
         page = writer.page_size
         self._decoders: dict[int, Codec] = {
             RAW: Codec(page),
@@ -159,7 +197,11 @@ class CodecSet:
         }
         self._decoders[LZ4HC] = writer if writer.id == LZ4HC else self._decoders[LZ4]
 
-    def decompress(self, codec_id: int, data) -> bytes:
+    def decompress(self, codec_id: int, data, dict_id: int = 0) -> bytes:
+        if dict_id:
+            if codec_id != ZSTD or self.dictionaries is None:
+                raise CodecError(f"codec id {codec_id} with dictionary id {dict_id}")
+            return self.dictionaries.decoder(dict_id).decompress(data)
         try:
             decoder = self._decoders[codec_id]
         except KeyError:
@@ -173,4 +215,6 @@ class CodecSet:
             if id(codec) not in seen:
                 seen.add(id(codec))
                 total += codec.memory_bytes()
+        if self.dictionaries is not None:
+            total += self.dictionaries.memory_bytes()
         return total

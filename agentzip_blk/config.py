@@ -68,6 +68,9 @@ class PolicyConfig:
     warm_threshold_ms: int = 10000
     cold_grace_period: float = 30.0  # seconds
     hot_cache_size: int = 4 << 20  # bytes of uncompressed hot pages kept; 0 = no cache
+    # the tuner's goal: percent of wall time some task of a scoped cgroup stalls on memory
+    # (PSI "some"; on v1 estimated from refaults and major faults); it squeezes below it
+    pressure_target: float = 0.1
 
 
 @dataclass
@@ -258,7 +261,11 @@ def _parse_policy(value: Any) -> PolicyConfig:
     if seconds <= 0:
         raise ConfigError(f"policy.cold_grace_period: {grace!r} must be greater than zero")
     hot_cache = _size(data.get("hot_cache_size", d.hot_cache_size), "policy.hot_cache_size", minimum=0)
-    return PolicyConfig(hot, warm, seconds, hot_cache)
+    target = data.get("pressure_target", d.pressure_target)
+    if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target <= 100:
+        raise ConfigError(f"policy.pressure_target: {target!r} must be a number of percent, "
+                          "greater than 0 and at most 100 (e.g. 0.1)")
+    return PolicyConfig(hot, warm, seconds, hot_cache, float(target))
 
 
 def _parse_scopes(value: Any) -> list[Scope]:
@@ -352,6 +359,8 @@ def load_config(path: str | os.PathLike[str] | None = None) -> Config:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
         raise ConfigError(f"{where}: invalid YAML: {getattr(e, 'problem', None) or e}") from None
+    except RecursionError:  # PyYAML recurses per nesting level: "{{{{..." must not crash us
+        raise ConfigError(f"{path}: invalid YAML: nested too deeply") from None
     try:
         return parse_config({} if data is None else data)
     except ConfigError as e:

@@ -14,6 +14,7 @@ import os
 import socket
 import stat
 import threading
+import time
 from collections.abc import Callable
 
 MAX_LINE = 64 * 1024
@@ -97,7 +98,9 @@ class ControlServer:
             return {"ok": False, "error": f"request longer than {MAX_LINE} bytes"}
         try:
             request = json.loads(line)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            # RecursionError: deeply nested arrays ("[[[[...") within MAX_LINE; uncaught it
+            # killed the client's thread without a reply.
             return {"ok": False, "error": f"malformed JSON: {exc}"}
         if not isinstance(request, dict) or not isinstance(request.get("cmd"), str):
             return {"ok": False, "error": 'a request is a JSON object with a string "cmd"'}
@@ -112,12 +115,27 @@ class ControlServer:
         return {"ok": True, **reply}
 
 
+def _connect(sock: socket.socket, path: str, timeout: float) -> None:
+    """With a timeout the socket is non-blocking, and a unix connect() to a server whose
+    listen backlog is momentarily full fails at once with EAGAIN instead of waiting (seen
+    with many concurrent clients): retry until the timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.01)
+
+
 def request(path: str, cmd: str, timeout: float = 10.0, **args) -> dict:
     """Send one request and return the reply without its `ok` key."""
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout)
-            sock.connect(path)
+            _connect(sock, path, timeout)
             sock.sendall(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
             with sock.makefile("rb") as stream:
                 line = stream.readline()

@@ -400,9 +400,14 @@ def make_backend(kind, config=None, run_dir: str | None = None, size: int | None
 
 
 class Workload:
-    """tools/workloads/agent_json.py in a cgroup, its stdout lines in a queue."""
+    """A workload (default tools/workloads/agent_json.py) in a cgroup, its stdout lines in a queue.
 
-    def __init__(self, cg: MemoryCgroup, mb: float, seed: int, python: str | None = None):
+    *argv*: another program speaking the same READY/CHECK/TOUCH protocol (tools/bench.py's
+    workloads); *mb* and *seed* are then already in it.
+    """
+
+    def __init__(self, cg: MemoryCgroup, mb: float, seed: int, python: str | None = None,
+                 argv: list[str] | None = None):
         self.cg = cg
         self.stderr = tempfile.TemporaryFile(mode="w+")
         env = dict(os.environ, PYTHONHASHSEED="0")
@@ -416,7 +421,7 @@ class Workload:
                 os.close(fd)
 
         self.proc = subprocess.Popen(
-            [python or sys.executable, WORKLOAD, "--mb", str(mb), "--seed", str(seed)],
+            argv or [python or sys.executable, WORKLOAD, "--mb", str(mb), "--seed", str(seed)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
             env=env, preexec_fn=join_cgroup, close_fds=True)
         self.lines: queue.Queue = queue.Queue()

@@ -730,6 +730,7 @@ def down(run_dir: str | None = None, force: bool = False, *, config=None,
     with _locked(run_dir):
         state = RunState.load(run_dir)
         if state is None:
+            _release_cgroups(run_dir)  # a tuner may have run without a device
             raise NotAttached(f"no device attached from {run_dir} (no {STATE_FILE})")
         area = system.swap_area(state.device)
         used = area.used if area else 0
@@ -741,9 +742,21 @@ def down(run_dir: str | None = None, force: bool = False, *, config=None,
                     f"available (need {_fmt(needed)} with margin): free memory first, or "
                     f"`agentzip-blk down --force`")
         t0 = time.monotonic()
+        cgroups = _release_cgroups(run_dir)
         _teardown(state, timeout)
         return {"run_dir": run_dir, "device": state.device, "swapped_in": used,
-                "seconds": round(time.monotonic() - t0, 3)}
+                "seconds": round(time.monotonic() - t0, 3), "cgroups": cgroups}
+
+
+def _release_cgroups(run_dir: str) -> str:
+    """Stop the tuner and put back every cgroup setting it recorded (scopes.Ledger), before
+    swapoff: pages coming back must not meet the tuner's squeezed limits."""
+    from .scopes import release_all
+    from .tuner import stop_daemon
+
+    stop_daemon(run_dir)
+    report = release_all(run_dir)
+    return report.summary() if (report.restored or report.gone or report.failed) else ""
 
 
 # --- status ----------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from . import protect
+from . import dictionaries, protect
 from .config import Config, load_config
 from .control import ControlServer
 from .maintenance import Maintainer
@@ -64,7 +64,10 @@ class Server:
     @classmethod
     def from_keys(cls, keys: dict[str, str]) -> Server:
         options = ServerOptions.from_keys(keys)
-        return cls(options, load_config(options.config_path))
+        dictionaries.publish_names()  # unknown dictionary names become config errors
+        config = load_config(options.config_path)
+        dictionaries.check_setting(config)  # a bad dictionary file stops nbdkit before it listens
+        return cls(options, config)
 
     def start(self) -> None:
         """After nbdkit forked: lock memory, build the store, open the control socket."""

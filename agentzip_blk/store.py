@@ -32,6 +32,7 @@ from . import codec as codecs
 from .blobs import DISK, POOL, BlobTable
 from .codec import CodecError, CodecSet, make_codec
 from .dedup import DedupIndex, index_key
+from .dictionaries import Choice, StoreDictionaries
 from .disk import DiskError, DiskFull, DiskTier
 from .hotcache import HotCache
 from .pool import MAX_COMPRESSED, Pool, PoolFull
@@ -133,6 +134,7 @@ class PageStore:
         tiering: Tiering | None = None,
         page_size: int = 4096,
         clock: Callable[[], float] = time.monotonic,
+        dictionary: str | list[str] = "none",
     ) -> None:
         if page_size != 4096:
             raise ValueError("only 4096-byte pages are supported")
@@ -148,7 +150,11 @@ class PageStore:
         self.kind = np.zeros(self.nslots, dtype=np.uint8)
         self.handle = np.zeros(self.nslots, dtype=np.uint64)
         self.slot_rtime = np.zeros(self.nslots, dtype=np.uint32)  # for ping-pong
-        self.codecs = CodecSet(make_codec(algorithm, level, page_size))
+        writer = make_codec(algorithm, level, page_size)
+        # compression.dictionary: loads (and checks) the dictionaries now, so a missing or
+        # corrupt file stops the server at startup; picks one per write request later.
+        self.dicts = StoreDictionaries(writer, dictionary, level, page_size, clock=clock)
+        self.codecs = CodecSet(writer, self.dicts.registry)
         self.pool = Pool(tiering.max_size, page_size)
         self.disk = (
             DiskTier(tiering.swap_out_path, tiering.swap_out_max_size)
@@ -184,6 +190,7 @@ class PageStore:
             level=config.compression.level,
             tiering=Tiering.from_config(config),
             page_size=config.compression.page_size,
+            dictionary=config.compression.dictionary,
             **kwargs,
         )
 
@@ -315,18 +322,24 @@ class PageStore:
         new_handle = np.where(same, words[:, 0], 0).astype(np.uint64)
         staged: list[int] = []
         disk_before = self.disk.writes if self.disk else 0
+        todo = np.flatnonzero(~same).tolist()
+        # One encoder (dictionary or none) for the whole request, from a sample page of it.
+        self.dicts.maybe_collect(self.blobs)
+        choice = self.dicts.choose([data[i * page : (i + 1) * page] for i in todo])
         try:
-            for i in np.flatnonzero(~same).tolist():
-                blob = self._intern(data[i * page : (i + 1) * page], now)
+            for n, i in enumerate(todo):
+                blob = self._intern(data[i * page : (i + 1) * page], now, choice,
+                                    choice.sample_out if n == choice.sample else None)
                 staged.append(blob)
                 new_handle[i] = blob
+            if self.disk and self.disk.writes != disk_before:
+                # Inside the try: a failed write-back fails the request and releases its
+                # staged blobs (they used to leak, with no slot referring to them).
+                self._drop_disk_cache()
         except BaseException:
             for blob in staged:
                 self._unref(blob)
             raise
-        finally:
-            if self.disk and self.disk.writes != disk_before:
-                self._drop_disk_cache()
         if staged:
             self.codec_pages += np.bincount(
                 self.blobs.codec[staged], minlength=len(self.codec_pages)
@@ -341,8 +354,10 @@ class PageStore:
         self.kind[first : first + count] = new_kind
         self.handle[first : first + count] = new_handle
 
-    def _intern(self, page: memoryview, now: int) -> int:
-        """A blob holding `page`, with one more reference: shared if present, else new."""
+    def _intern(self, page: memoryview, now: int, choice: Choice | None = None,
+                compressed: bytes | None = None) -> int:
+        """A blob holding `page`, with one more reference: shared if present, else new.
+        `choice` is the request's encoder; `compressed` the page already compressed by it."""
         digest = xxhash.xxh3_128_intdigest(page)
         lo, hi = digest & _MASK64, digest >> 64
         key = index_key(lo)
@@ -356,21 +371,25 @@ class PageStore:
                     self.counters.pingpong += 1  # the same content came back right after a read
                 return blob
             self.counters.hash_collisions += 1
-        compressed = self.codecs.writer.compress(page)
-        codec_id = self.codecs.writer.id
+        encoder = choice.codec if choice is not None else self.codecs.writer
+        dict_id = choice.dict_id if choice is not None else 0
+        if compressed is None:
+            compressed = encoder.compress(page)
+        codec_id = encoder.id
+        self.dicts.observe(page)
         if len(compressed) > MAX_COMPRESSED:
-            compressed, codec_id = page, codecs.RAW
+            compressed, codec_id, dict_id = page, codecs.RAW, 0
         try:
             arena, cell = self.pool.alloc(len(compressed))
         except PoolFull as exc:
             offset = self._disk_put(compressed, str(exc))
-            blob = blobs.new(-1, 0, len(compressed), codec_id, lo, hi)
+            blob = blobs.new(-1, 0, len(compressed), codec_id, lo, hi, dict_id)
             blobs.tier[blob] = DISK
             blobs.disk_off[blob] = offset
             self.counters.direct_to_disk += 1
         else:
             self.pool.put(arena, cell, compressed)
-            blob = blobs.new(arena, cell, len(compressed), codec_id, lo, hi)
+            blob = blobs.new(arena, cell, len(compressed), codec_id, lo, hi, dict_id)
         blobs.atime[blob] = now
         self.index.insert(key, blob)
         return blob
@@ -519,7 +538,9 @@ class PageStore:
             self.counters.hot_hits += 1
             return data
         stored = self._stored_bytes(blob)
-        data = self.codecs.decompress(int(self.blobs.codec[blob]), stored)
+        data = self.codecs.decompress(
+            int(self.blobs.codec[blob]), stored, int(self.blobs.dict_id[blob])
+        )
         if touch and self.blobs.tier[blob] == DISK:
             self._promote(blob, stored)
         if is_hot:
@@ -695,6 +716,7 @@ class PageStore:
             "unique_blobs": blobs.count,
             "dedup_saved_pages": blob_pages - blobs.count,
             "codec_pages": codec_pages,
+            "dictionaries": self.dicts.stats(blobs, slot_blobs, page),
             "pool_bytes": self.pool.allocated_bytes,
             "pool_live_bytes": self.pool.live_bytes,
             "pool_arenas": self.pool.arena_count,

@@ -140,6 +140,7 @@ def valid_configs(draw):
             "warm_threshold_ms": draw(st.integers(hot, 10**8)),
             "cold_grace_period": draw(st.floats(0.001, 1e6)),
             "hot_cache_size": draw(st.integers(0, 1 << 34)),
+            "pressure_target": draw(st.floats(0.001, 100)),
         },
         "scopes": draw(st.lists(st.fixed_dictionaries(
             {"cgroup": st.from_regex(r"[a-z*?.-]{1,20}(\[[a-z]+\])?", fullmatch=True), "enabled": st.booleans()}),

@@ -211,15 +211,16 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: str, section: str) -> None:
+def write_section(path: str, section: str, begin: str = BEGIN, end: str = END) -> None:
+    """Replace the text between the *begin* and *end* markers of *path* (append if absent)."""
     try:
         with open(path) as f:
             text = f.read()
     except FileNotFoundError:
         text = "# Benchmarks\n\nGenerated sections are rewritten by the tools named in them.\n\n"
-    if BEGIN in text and END in text and text.index(BEGIN) < text.index(END):
-        a = text.index(BEGIN)
-        b = text.index(END) + len(END)
+    if begin in text and end in text and text.index(begin) < text.index(end):
+        a = text.index(begin)
+        b = text.index(end) + len(end)
         if text[b:b + 1] == "\n":
             b += 1
         text = text[:a] + section + text[b:]

@@ -7,18 +7,8 @@ numbers, JSON inside JSON strings), the parsed dicts of the same, the conversati
 history, a string pool of interned names/paths/URLs, token-id arrays and a small
 embedding per session. It grows until an estimate of its live heap reaches ``--mb``.
 
-Protocol (so a driver can squeeze it while it is idle):
-
-    stdout  READY <rss_bytes>             after building (checksum taken)
-    stdin   CHECK                          optional: re-read everything now, stay alive
-    stdout  CHECK ok|FAIL <checksum> <checksum_s> <touch_s> <pages>
-    stdin   TOUCH                          re-read everything, compare, exit
-    stdout  VERIFY ok <checksum> <checksum_s> <touch_s> <pages>    (exit 0)
-            VERIFY FAIL <got> <want>                                (exit 1)
-
-Both re-read every page of the process's anonymous memory first (timed: touch_s, the
-swap-in when it was swapped out), then recompute the checksum over all the data
-(checksum_s) and compare it with the one taken at build time.
+Speaks the READY / CHECK / TOUCH / VERIFY protocol of ``protocol.py`` (so a driver can
+squeeze it while it is idle).
 
 EOF on stdin exits with status 2. Diagnostics go to stderr. Same --seed and --mb give the
 same data (run it with PYTHONHASHSEED=0 to make dict hash fields identical as well).
@@ -30,11 +20,13 @@ import argparse
 import gc
 import hashlib
 import json
-import os
 import random
 import sys
 import time
 from array import array
+
+import protocol  # a sibling module: tools/workloads is on sys.path when run as a script
+from pagewalk import rss_bytes
 
 # ---------------------------------------------------------------------------------------
 # vocabulary
@@ -418,40 +410,6 @@ def _arr(o):
     raise TypeError(type(o))
 
 
-def touch_pages() -> tuple[int, float]:
-    """Read one byte of every page of our anonymous memory (heap, arenas, mmaps).
-
-    This is what brings swapped pages back (the swap-in, timed alone); the checksum pass
-    that follows then runs on resident data. Returns (pages, seconds).
-    """
-    import ctypes
-
-    page = os.sysconf("SC_PAGE_SIZE")
-    t = time.monotonic()
-    spans = []
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split()
-            perms, inode = parts[1], parts[4]
-            name = parts[5] if len(parts) > 5 else ""
-            if perms[0] != "r" or inode != "0":
-                continue
-            if name and name not in ("[heap]", "[stack]") and not name.startswith("[anon"):
-                continue  # [vvar], [vdso], [vsyscall]: not ours to read
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            spans.append((lo, hi))
-    pages = 0
-    for lo, hi in spans:
-        buf = (ctypes.c_char * (hi - lo)).from_address(lo)
-        pages += len(bytes(memoryview(buf).cast("B")[::page]))
-    return pages, time.monotonic() - t
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mb", type=float, default=300, help="target live heap in MiB (default 300)")
@@ -471,31 +429,8 @@ def main(argv=None) -> int:
           f"{sum(map(len, heap.raw)) >> 20} MiB raw JSON, pool {len(heap.pool)}, "
           f"rss {rss_bytes() >> 20} MiB (+{(rss_bytes() - rss0) >> 20}), built in {t_build:.1f}s, "
           f"checksum {want}", file=sys.stderr, flush=True)
-    print(f"READY {rss_bytes()}", flush=True)
-
-    for line in sys.stdin:
-        cmd = line.strip()
-        if cmd not in ("TOUCH", "CHECK"):
-            if cmd:
-                print(f"agent_json: unknown command {cmd!r}", file=sys.stderr, flush=True)
-            continue
-        if a.corrupt_for_test and cmd == "TOUCH":
-            heap.corrupt()
-        pages, dt_touch = touch_pages()
-        t = time.monotonic()
-        got = heap.checksum()
-        dt = time.monotonic() - t
-        ok = got == want
-        if cmd == "CHECK":
-            print(f"CHECK {'ok' if ok else 'FAIL'} {got} {dt:.3f} {dt_touch:.4f} {pages}", flush=True)
-            continue
-        if ok:
-            print(f"VERIFY ok {got} {dt:.3f} {dt_touch:.4f} {pages}", flush=True)
-            return 0
-        print(f"VERIFY FAIL {got} {want}", flush=True)
-        return 1
-    print("agent_json: stdin closed before TOUCH", file=sys.stderr, flush=True)
-    return 2
+    return protocol.serve("agent_json", want, heap.checksum,
+                          corrupt=heap.corrupt if a.corrupt_for_test else None)
 
 
 if __name__ == "__main__":

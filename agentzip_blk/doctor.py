@@ -1,0 +1,282 @@
+"""``agentzip-blk doctor``: is this host set up for the device and the tuner? Pass/warn/fail.
+
+``gather()`` reads the host (never changes it) into :class:`Facts`; ``diagnose(facts)`` turns
+facts into :class:`Check` lines, each with a fix where there is one. Split so that tests can
+feed made-up facts to the rules.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+
+from . import system
+
+__all__ = ["Check", "Facts", "gather", "diagnose", "render", "worst", "PASS", "WARN", "FAIL"]
+
+PASS, WARN, FAIL = "pass", "warn", "fail"
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # pass | warn | fail
+    detail: str
+    fix: str = ""
+
+
+@dataclass
+class Facts:
+    kernel: str = ""
+    controller: str | None = None  # "v1" | "v2" | "hybrid" | None
+    controller_mount: str = ""
+    controller_error: str = ""
+    memsw: bool = True  # v1 swap accounting files present
+    has_reclaim: bool | None = None  # v2 memory.reclaim
+    swaps: list[dict] = field(default_factory=list)  # SwapArea dicts, /proc/swaps order
+    device: str | None = None  # our swap device, when attached
+    mode: str | None = None  # fuse | nbd
+    loop_device: str | None = None
+    loop_dio: bool | None = None
+    loop_control: bool = True
+    zswap: bool = False
+    nbd_module: bool = False
+    fuse_dev: bool = True
+    fuse_tools: list[str] = field(default_factory=list)  # missing among nbdfuse, fusermount3
+    server_running: bool = False
+    server_locked: bool | None = None  # mlockall done in the server
+    server_locked_bytes: int = 0
+    nbdfuse_locked: bool | None = None
+    scopes_enabled: list[str] = field(default_factory=list)
+    scoped_cgroups: list[str] = field(default_factory=list)
+    scoped_with_server: list[str] = field(default_factory=list)
+
+
+def _kernel_tuple(release: str) -> tuple[int, int]:
+    m = re.match(r"(\d+)\.(\d+)", release)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def gather(run_dir: str, config=None, root: str = "/") -> Facts:
+    from . import device
+    from .cgroup_backends import open_backend
+    from .cgroup_memory import CgroupError
+    from .scopes import scoped_cgroups
+
+    f = Facts(kernel=os.uname().release)
+    backend = None
+    try:
+        backend = open_backend(root)
+        f.controller = backend.kind
+        f.controller_mount = backend.mount
+        own = backend.path(backend.own())
+        if backend.version == 1:
+            f.memsw = os.path.exists(os.path.join(own, "memory.memsw.limit_in_bytes")) or \
+                os.path.exists(os.path.join(backend.mount, "memory.memsw.limit_in_bytes"))
+        else:
+            # the root cgroup may lack the file: look at ours and at the first-level children
+            dirs = [own] + [e.path for e in os.scandir(backend.mount) if e.is_dir()][:5]
+            f.has_reclaim = any(os.path.exists(os.path.join(d, "memory.reclaim")) for d in dirs)
+    except CgroupError as e:
+        f.controller_error = str(e)
+    f.swaps = [a.to_dict() for a in system.swaps()]
+    f.zswap = system.zswap_enabled()
+    f.nbd_module = system.nbd_kernel_available()
+    f.fuse_dev = os.path.exists("/dev/fuse")
+    f.loop_control = os.path.exists("/dev/loop-control")
+    f.fuse_tools = system.missing_tools(["nbdfuse", "fusermount3"])
+    state = None
+    try:
+        state = device.RunState.load(run_dir)
+    except Exception:
+        state = None
+    protected: set[int] = set()
+    if state is not None and system.swap_area(state.device) is not None:
+        f.device, f.mode, f.loop_device = state.device, state.mode, state.loop_device
+        if state.mode == "fuse" and state.loop_device:
+            f.loop_dio = device._loop_dio(state.loop_device)
+        if state.nbdfuse_pid and system.pid_alive(state.nbdfuse_pid):
+            f.nbdfuse_locked = device._locked_bytes(state.nbdfuse_pid) > 0
+            protected.add(state.nbdfuse_pid)
+    if state is not None and state.nbdkit_pid and system.pid_alive(state.nbdkit_pid):
+        f.server_running = True
+        protected.add(state.nbdkit_pid)
+        try:
+            from . import control
+            st = control.request(state.control_socket, "stats", timeout=3.0)
+            srv = st.get("server", {})
+            f.server_locked = bool(srv.get("memory_locked"))
+            f.server_locked_bytes = int(srv.get("locked_bytes") or 0)
+        except Exception:
+            f.server_locked_bytes = device._locked_bytes(state.nbdkit_pid)
+            f.server_locked = f.server_locked_bytes > 0
+    if config is not None:
+        f.scopes_enabled = [s.cgroup for s in config.scopes if s.enabled]
+        if backend is not None:
+            f.scoped_cgroups = scoped_cgroups(backend.walk(), config.scopes)
+            for rel in f.scoped_cgroups:
+                if protected & set(backend.pids(rel)):
+                    f.scoped_with_server.append(rel)
+    return f
+
+
+def diagnose(f: Facts) -> list[Check]:
+    out: list[Check] = []
+    add = out.append
+
+    # kernel
+    k = _kernel_tuple(f.kernel)
+    if k >= (6, 12):
+        add(Check("kernel", PASS, f"Linux {f.kernel}: PSI, memory.reclaim, zero pages kept out of swap"))
+    elif k >= (5, 19):
+        add(Check("kernel", PASS, f"Linux {f.kernel}: PSI and memory.reclaim (zero pages still "
+                                  "go to the device; it stores them in 0 bytes)"))
+    elif k >= (4, 20):
+        add(Check("kernel", WARN, f"Linux {f.kernel}: no memory.reclaim; the tuner pulses "
+                                  "memory.high instead (the workload may stall in reclaim)",
+                  "use Linux 5.19 or newer"))
+    else:
+        add(Check("kernel", WARN, f"Linux {f.kernel}: no PSI; the tuner estimates pressure from faults",
+                  "use Linux 5.19 or newer"))
+
+    # memory controller
+    if f.controller is None:
+        add(Check("memory cgroup", FAIL, f.controller_error or "no memory controller found",
+                  "boot with cgroup_enable=memory (and mount cgroup v2)"))
+    elif f.controller == "v2":
+        detail = f"cgroup v2 at {f.controller_mount}"
+        if f.has_reclaim is False:
+            add(Check("memory cgroup", WARN, detail + "; no memory.reclaim", "use Linux 5.19 or newer"))
+        else:
+            add(Check("memory cgroup", PASS, detail + ": PSI per cgroup, memory.reclaim"))
+    else:
+        hybrid = f.controller == "hybrid"
+        add(Check("memory cgroup", WARN,
+                  f"cgroup v1 memory controller at {f.controller_mount}"
+                  + (" (hybrid host: cgroup2 for the rest)" if hybrid else "")
+                  + ": no memory.reclaim (the tuner pulses memory.limit_in_bytes); PSI per cgroup "
+                  + ("only where a scoped cgroup is mirrored on the cgroup2 tree, else "
+                     if hybrid else "") + "estimated from refaults and major faults",
+                  "boot with systemd.unified_cgroup_hierarchy=1 (cgroup v2) for PSI-driven tuning"))
+        if not f.memsw:
+            add(Check("swap accounting", WARN, "no memory.memsw.* files: per-cgroup swap is not "
+                      "accounted and memory.stat has no swap figure",
+                      "boot with swapaccount=1"))
+        else:
+            add(Check("swap accounting", PASS, "memory.memsw.* present: per-cgroup swap accounted"))
+
+    # swap areas
+    ours = next((a for a in f.swaps if f.device and
+                 os.path.realpath(a["filename"]) == os.path.realpath(f.device)), None)
+    others = [a for a in f.swaps if a is not ours]
+    if ours is None:
+        msg = "device not attached"
+        if others:
+            msg += "; other swap: " + ", ".join(f"{a['filename']} (priority {a['priority']})" for a in others)
+        add(Check("swap areas", WARN, msg, "agentzip-blk up"))
+    else:
+        higher = [a for a in others if a["priority"] > ours["priority"]]
+        equal = [a for a in others if a["priority"] == ours["priority"]]
+        desc = f"{ours['filename']} priority {ours['priority']}"
+        if higher:
+            add(Check("swap areas", FAIL, desc + "; higher priority, takes pages first: " +
+                      ", ".join(f"{a['filename']} ({a['priority']})" for a in higher),
+                      f"swapoff {higher[0]['filename']}, or agentzip-blk down && agentzip-blk up "
+                      f"--priority {max(a['priority'] for a in higher) + 1}"))
+        elif equal:
+            add(Check("swap areas", WARN, desc + "; same priority, pages shared round-robin with " +
+                      ", ".join(a["filename"] for a in equal),
+                      f"swapoff {equal[0]['filename']} or give it a lower priority"))
+        else:
+            rest = f"; others lower: {', '.join(a['filename'] for a in others)}" if others else ", the only swap"
+            add(Check("swap areas", PASS, desc + rest))
+
+    # zswap
+    if f.zswap:
+        add(Check("zswap", FAIL, "enabled: it compresses pages before they reach the device "
+                  "(double compression, and the device sees only what zswap rejects)",
+                  f"{system.ZSWAP_DISABLE_HINT} (permanently: zswap.enabled=0 on the kernel command line)"))
+    else:
+        add(Check("zswap", PASS, "off"))
+
+    # attach path
+    if f.nbd_module:
+        add(Check("nbd module", PASS, "kernel nbd present: up attaches through nbd-client -swap"))
+    else:
+        add(Check("nbd module", WARN, "not loaded: up attaches through nbdfuse + loop (more copies, "
+                  "slower swap-in)", "modprobe nbd && apt-get install nbd-client"))
+    fuse_ok = f.fuse_dev and not f.fuse_tools
+    if fuse_ok:
+        add(Check("fuse", PASS, "/dev/fuse, nbdfuse and fusermount3 present"))
+    else:
+        missing = ([] if f.fuse_dev else ["/dev/fuse"]) + f.fuse_tools
+        add(Check("fuse", WARN if f.nbd_module else FAIL, "missing: " + ", ".join(missing) +
+                  ("" if f.nbd_module else " (and no kernel nbd: nothing to attach with)"),
+                  "apt-get install fuse3 libnbd-bin; modprobe fuse"))
+    if f.mode == "fuse" and f.loop_device:
+        if f.loop_dio:
+            add(Check("loop direct-io", PASS, f"{f.loop_device}: direct I/O on"))
+        else:
+            add(Check("loop direct-io", FAIL, f"{f.loop_device}: direct I/O OFF: every swapped page "
+                      "also stays in the page cache, nothing is saved",
+                      "agentzip-blk down && agentzip-blk up (up insists on --direct-io=on)"))
+    elif f.mode == "nbd":
+        add(Check("loop direct-io", PASS, "kernel nbd: no loop device in the path"))
+    elif not f.loop_control:
+        add(Check("loop direct-io", FAIL if not f.nbd_module else WARN, "no /dev/loop-control",
+                  "modprobe loop"))
+    else:
+        add(Check("loop direct-io", PASS, "loop devices available; up attaches with --direct-io=on "
+                  "and verifies it"))
+
+    # server
+    if not f.server_running:
+        add(Check("server memory", WARN, "server not running: nothing to check", "agentzip-blk up"))
+    elif f.server_locked:
+        detail = f"nbdkit memory locked ({f.server_locked_bytes >> 20} MiB)"
+        if f.nbdfuse_locked is False:
+            add(Check("server memory", WARN, detail + "; nbdfuse NOT locked: under pressure it can "
+                      "swap onto its own device and deadlock", "apt-get install gcc; down; up"))
+        else:
+            add(Check("server memory", PASS, detail + (", nbdfuse locked" if f.nbdfuse_locked else "")))
+    else:
+        add(Check("server memory", FAIL, "nbdkit memory NOT locked: a server page swapped onto its "
+                  "own device deadlocks the swap-in",
+                  "run up as root without --no-mlock; check `ulimit -l` (RLIMIT_MEMLOCK)"))
+
+    # scopes
+    if not f.scopes_enabled:
+        add(Check("scopes", WARN, "no enabled scope: the tuner touches no cgroup",
+                  "agentzip-blk scope add --cgroup 'agent-sandbox-*.slice'"))
+    elif f.scoped_with_server:
+        add(Check("scopes", FAIL, "scoped cgroup(s) hold the swap server itself: " +
+                  ", ".join(f.scoped_with_server) + " (the tuner skips them)",
+                  "narrow the scope glob so that it excludes the server's cgroup"))
+    elif not f.scoped_cgroups:
+        add(Check("scopes", WARN, f"enabled: {', '.join(f.scopes_enabled)}; no cgroup matches now",
+                  "check the globs against the cgroup tree (agentzip-blk scope list)"))
+    else:
+        shown = ", ".join(f.scoped_cgroups[:5]) + (" ..." if len(f.scoped_cgroups) > 5 else "")
+        add(Check("scopes", PASS, f"{len(f.scoped_cgroups)} cgroup(s) in scope: {shown}"))
+    return out
+
+
+def worst(checks: list[Check]) -> str:
+    order = {PASS: 0, WARN: 1, FAIL: 2}
+    return max((c.status for c in checks), key=order.__getitem__, default=PASS)
+
+
+def render(checks: list[Check]) -> str:
+    width = max((len(c.name) for c in checks), default=0)
+    lines = []
+    for c in checks:
+        lines.append(f"{c.status.upper():<4}  {c.name:<{width}}  {c.detail}")
+        if c.fix and c.status != PASS:
+            lines.append(f"{'':<4}  {'':<{width}}  fix: {c.fix}")
+    return "\n".join(lines)
+
+
+def to_json(checks: list[Check]) -> str:
+    return json.dumps({"status": worst(checks), "checks": [asdict(c) for c in checks]}, sort_keys=True)

@@ -1,0 +1,168 @@
+"""Server protection: memory locked, OOM score lowered and PR_SET_IO_FLUSHER where the
+kernel permits (probed in a child process first: without CAP_SYS_RESOURCE both are refused,
+and then the server must say so rather than claim it), a control socket only root can use
+(tested as `nobody`), and `down` refusing to stop the server while swap points at it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from agentzip_blk import device, system
+
+from . import support
+from .conftest import skip_reason
+from .support import PAGE, make_pages
+
+pytestmark = pytest.mark.skipif(skip_reason("nbdkit") is not None,
+                                reason=str(skip_reason("nbdkit")))
+
+
+def _status(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _permitted(code: str) -> bool:
+    """Whether a fresh child process may do `code` (a Python snippet that raises if not)."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+OOM_PROBE = ("import os; fd = os.open('/proc/self/oom_score_adj', os.O_WRONLY)\n"
+             "os.write(fd, b'-1000')")  # unbuffered: the refusal comes from write()
+FLUSHER_PROBE = ("import ctypes, os; libc = ctypes.CDLL('libc.so.6', use_errno=True)\n"
+                 "assert libc.prctl(57, 1, 0, 0, 0) == 0, os.strerror(ctypes.get_errno())")
+
+
+@pytest.fixture
+def srv(tmp_path):
+    with support.server(tmp_path, size="256M") as server:
+        yield server
+
+
+def test_memory_is_locked_as_it_grows(srv):
+    """mlockall(MCL_FUTURE|MCL_ONFAULT): pages the store allocates later are locked too."""
+    pid = srv.proc.pid
+    locked0 = _status(pid, "VmLck")
+    assert locked0 > 0
+    h = support.nbd_client(srv.nbd_socket)
+    data = b"".join(make_pages(64 * 256, seed=8, mix="r"))  # 64 MiB, stored raw
+    for off in range(0, len(data), 4 << 20):
+        h.pwrite(data[off:off + (4 << 20)], off)
+    h.shutdown()
+    grown = _status(pid, "VmLck") - locked0
+    assert grown >= 48 << 20, f"only {grown} more bytes locked after storing 64 MiB"
+    st = support.stats(srv)
+    assert st["server"]["memory_locked"] is True
+    assert st["server"]["locked_bytes"] >= 64 << 20
+
+
+def test_oom_score_where_permitted(srv):
+    st = support.stats(srv)["server"]
+    with open(f"/proc/{srv.proc.pid}/oom_score_adj") as f:
+        adj = int(f.read())
+    if _permitted(OOM_PROBE):
+        assert st["oom_score_lowered"] is True and adj == -1000
+    else:  # refused here (no CAP_SYS_RESOURCE): the server must not claim it
+        assert st["oom_score_lowered"] is False and adj > -1000
+
+
+def test_io_flusher_where_permitted(srv):
+    h = support.nbd_client(srv.nbd_socket)
+    h.pwrite(b"\x01" * PAGE, 0)  # a request thread: the flag is set per worker thread
+    h.shutdown()
+    st = support.stats(srv)["server"]
+    assert st["io_flusher"] is _permitted(FLUSHER_PROBE)
+
+
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+def _as_nobody(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*NOBODY, *argv], capture_output=True, text=True, timeout=60)
+
+
+CONNECT = ("import socket, sys\ns = socket.socket(socket.AF_UNIX)\n"
+           "try:\n    s.connect(sys.argv[1])\nexcept PermissionError:\n    sys.exit(13)\n"
+           "s.sendall(b'{\"cmd\": \"ping\"}\\n'); print(s.recv(200).decode())")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root + setpriv")
+def test_control_socket_is_root_only(tmp_path):
+    """The socket sits in a world-searchable directory, so only its own mode (0600, root)
+    keeps `nobody` out. With the mode opened up the same probe gets in: the check works."""
+    public = tempfile.mkdtemp(prefix="azrel-public-", dir="/tmp")
+    os.chmod(public, 0o755)
+    config = support.write_config(tmp_path)
+    try:
+        srv = support.start_server(tmp_path, size="16M", config=config)
+        sock = os.path.join(public, "control.sock")
+        try:
+            os.link(srv.control_socket, sock)  # same inode, public directory
+            st = os.stat(sock)
+            assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+            assert st.st_uid == 0
+            probe = _as_nobody("/usr/bin/python3", "-c", CONNECT, sock)
+            assert probe.returncode == 13, probe
+            cli = _as_nobody(sys.executable, "-m", "agentzip_blk.cli", "stats", "--control", sock)
+            assert cli.returncode != 0 and "permission denied" in cli.stderr, cli
+            assert "Traceback" not in cli.stderr
+            os.chmod(sock, 0o666)  # the control: now nobody gets an answer
+            try:
+                opened = _as_nobody("/usr/bin/python3", "-c", CONNECT, sock)
+            finally:
+                os.chmod(sock, 0o600)
+            assert opened.returncode == 0 and '"ok": true' in opened.stdout, opened
+            support.record("protection_nobody", hostile_inputs=2)
+        finally:
+            srv.stop()
+    finally:
+        shutil.rmtree(public, ignore_errors=True)
+
+
+swap_skip = skip_reason("nbdkit", "nbdfuse", "losetup", "fusermount3", "mkswap", "swapon",
+                        "swapoff")
+
+
+@pytest.mark.swap
+@pytest.mark.skipif(swap_skip is not None, reason=str(swap_skip))
+def test_down_refuses_to_stop_server_under_swap(tmp_path, swap_locked):
+    """With a swapoff that does nothing (the swap area stays), teardown must stop before the
+    server: nbdkit and the device stay up and keep serving; then the real down works."""
+    from agentzip_blk.config import Config
+
+    cfg = Config()
+    cfg.pool.swap_out_path = str(tmp_path / "disk-tier")
+    run_dir = tempfile.mkdtemp(prefix="azrel-run-", dir="/tmp")
+    try:
+        with device.attached(cfg, run_dir, priority=5, size=64 << 20) as state:
+            assert system.swap_area(state.device) is not None
+            fake = device.RunState.load(run_dir)
+            fake.tools = {"swapoff": "/bin/true"}
+            with pytest.raises(device.DeviceError, match="still in /proc/swaps"):
+                device._teardown(fake)
+            assert system.swap_area(state.device) is not None
+            assert system.pid_alive(state.nbdkit_pid)
+            assert support.request(state.control_socket, "ping")["pid"] == state.nbdkit_pid
+            # the CLI's down, with the same do-nothing swapoff recorded in the state
+            fake.save()
+            from agentzip_blk import cli
+            assert cli.main(["--run-dir", run_dir, "down", "--force"]) != 0
+            assert system.pid_alive(state.nbdkit_pid)
+            assert system.swap_area(state.device) is not None
+            ok = device.RunState.load(run_dir)
+            ok.tools = {}
+            ok.save()
+        assert system.swap_area(state.device) is None
+        assert not system.pid_alive(state.nbdkit_pid)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)

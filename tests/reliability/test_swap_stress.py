@@ -1,0 +1,143 @@
+"""Swap-level verification with stress-ng: `--vm` workers (every vm method, --verify) and
+`--pageswap` in a memory-limited cgroup whose only swap is the device, with a small pool
+over a disk tier so that pages go round pool -> disk -> pool many times. No verify failure,
+no OOM kill, a clean exit, and the server's books show both tiers cycling.
+
+Attaches swap: runs under /tmp/agentzip-swap.lock, alone on the machine's swap."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+
+import pytest
+
+from agentzip_blk import device, system
+from agentzip_blk.cgroup_memory import CgroupError, MemoryCgroup
+from agentzip_blk.config import parse_config
+
+from . import support
+from .conftest import skip_reason
+
+skip = skip_reason("nbdkit", "nbdfuse", "losetup", "fusermount3", "mkswap", "swapon", "swapoff",
+                   "stress-ng", nbd=False)
+pytestmark = [pytest.mark.swap, pytest.mark.skipif(skip is not None, reason=str(skip))]
+
+MiB = 1 << 20
+POOL = 4 * MiB  # stress-ng's vm patterns compress ~20x: a small pool so that the disk tier works
+
+
+def _vmstat() -> dict[str, int]:
+    with open("/proc/vmstat") as f:
+        return {k: int(v) for k, v in (line.split() for line in f)}
+
+
+def run_stress(tmp_path, seconds: int, workers: int = 2, vm_bytes: int = 96 * MiB,
+               limit: int = 96 * MiB) -> dict:
+    """stress-ng in a fresh cgroup limited to `limit`, swapping to our device only."""
+    cfg = parse_config({
+        "pool": {"max_size": POOL, "reclaim_threshold": 60,
+                 "swap_out_path": str(tmp_path / "disk-tier")},
+        "policy": {"cold_grace_period": "300ms", "hot_threshold_ms": 100,
+                   "warm_threshold_ms": 200},
+    })
+    run_dir = tempfile.mkdtemp(prefix="azrel-stress-", dir="/tmp")
+    name = f"azrel-stress-{os.getpid()}"
+    result: dict = {}
+    try:
+        with support.swap_lock():
+            others = [a.filename for a in system.swaps()]
+            assert others == [], f"other swap areas are active ({others}): the device must be " \
+                                 "the only swap (someone is not holding the swap lock?)"
+            with device.attached(cfg, run_dir, priority=10, size=1 << 30) as state:
+                cg = MemoryCgroup.create(name)
+                try:
+                    cg.allow_swap()
+                    cg.set_swappiness(100)
+                    cg.set_limit(limit)
+                    result = _stress_in(cg, state, seconds, workers, vm_bytes)
+                finally:
+                    _kill_all(cg)
+                    cg.remove()
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return result
+
+
+def _kill_all(cg: MemoryCgroup) -> None:
+    for pid in cg.pids():  # only processes we started live in this cgroup
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 10
+    while cg.pids() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _stress_in(cg: MemoryCgroup, state, seconds: int, workers: int, vm_bytes: int) -> dict:
+    procs = cg.file("cgroup.procs")
+
+    def join():
+        fd = os.open(procs, os.O_WRONLY)
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+
+    vm0 = _vmstat()
+    before = support.request(state.control_socket, "stats")
+    cmd = ["stress-ng", "--vm", str(workers), "--vm-bytes", str(vm_bytes), "--vm-keep",
+           "--vm-method", "all", "--pageswap", "1", "--verify", "--timeout", f"{seconds}s",
+           "--metrics-brief", "--no-rand-seed"]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, preexec_fn=join, capture_output=True, text=True,
+                          timeout=seconds + 300)
+    wall = time.monotonic() - t0
+    vm1 = _vmstat()
+    after = support.request(state.control_socket, "stats")
+    peak_disk = after["tiers"]["disk"]["pages"]
+    out = proc.stdout + proc.stderr
+    return {
+        "rc": proc.returncode,
+        "output": out,
+        "verify_failures": len(re.findall(r"verif\w* (?:fail|error)|fail: ", out, re.I)),
+        "oom_kills": cg.oom_kills(),
+        "swap_out": (vm1["pswpout"] - vm0["pswpout"]) * 4096,
+        "swap_in": (vm1["pswpin"] - vm0["pswpin"]) * 4096,
+        "bytes_written": after["bytes_written"] - before["bytes_written"],
+        "bytes_read": after["bytes_read"] - before["bytes_read"],
+        "to_disk": (after["demotions"] + after["direct_to_disk"]) * 4096,
+        "promotions": after["promotions"],
+        "disk_pages": peak_disk,
+        "errors": after["errors"], "enospc": after["enospc"],
+        "maintenance_error": after["server"]["maintenance_error"],
+        "wall": wall,
+    }
+
+
+def _check(res: dict, pool_cycles: float, disk_cycles: float) -> None:
+    assert res["rc"] == 0, f"stress-ng exited {res['rc']}:\n{res['output'][-3000:]}"
+    assert res["verify_failures"] == 0, res["output"][-3000:]
+    assert res["oom_kills"] == 0, "OOM kill in the stress cgroup"
+    assert res["errors"] == 0 and res["enospc"] == 0, res
+    assert res["maintenance_error"] is None, res["maintenance_error"]
+    assert res["swap_out"] > 0 and res["swap_in"] > 0, res
+    # the pool filled and turned over; pages went to disk and came back from it, and the
+    # disk tier took several times what it holds at the end
+    assert res["bytes_written"] >= pool_cycles * POOL, res
+    assert res["to_disk"] >= disk_cycles * max(POOL, res["disk_pages"] * 4096), res
+    assert res["promotions"] > 0, res
+    support.record("stress_ng", bytes_verified=res["bytes_read"], data_lost=0)
+
+
+def test_stress_ng_swap_fast(tmp_path):
+    _check(run_stress(tmp_path, seconds=20), pool_cycles=20, disk_cycles=2)
+
+
+@pytest.mark.slow
+def test_stress_ng_swap_long(tmp_path):
+    _check(run_stress(tmp_path, seconds=120, workers=3, vm_bytes=128 * MiB, limit=128 * MiB),
+           pool_cycles=100, disk_cycles=3)

@@ -1,0 +1,270 @@
+"""agentzip_blk.scopes: glob matching, config edits that keep comments, the restore ledger,
+and the `scope` CLI on a fake cgroup v2 tree."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+
+from agentzip_blk import cli, scopes
+from agentzip_blk.config import ConfigError, Scope, load_config
+from agentzip_blk.scopes import Ledger, covered, match, scoped_cgroups
+from cgfake import fake_v2, r, w
+
+# --- matching ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pattern,rel,want", [
+    ("agent-sandbox-*.slice", "/agent-sandbox-1.slice", True),
+    ("agent-sandbox-*.slice", "/machine.slice/agent-sandbox-7.slice", True),  # any depth
+    ("agent-sandbox-*.slice", "/agent-sandbox-1.slice/job.scope", False),  # the name must match
+    ("agent-sandbox-*.slice", "/agent-sandbox-.slice", True),
+    ("agent-sandbox-*.slice", "/agent-sandbox-1.slice.bak", False),
+    ("agent-*", "/a/agent-x/y", False),
+    ("agent-*", "/a/agent-x", True),
+    ("*", "/", False),  # the root cgroup is never a scope
+    ("a/agent-*", "/x/a/agent-1", True),  # last components
+    ("a/agent-*", "/x/b/agent-1", False),
+    ("/a/agent-*", "/a/agent-1", True),  # anchored
+    ("/a/agent-*", "/x/a/agent-1", False),
+    ("*/agent-1", "/x/agent-1", True),  # '*' is one component, never crosses '/'
+    ("a*1", "/a/b1", False),
+    ("job-[0-9]", "/s/job-3", True),
+    ("job-[!0-9]", "/s/job-3", False),
+])
+def test_match(pattern, rel, want):
+    assert match(pattern, rel) is want
+
+
+def test_scoped_cgroups_outermost_enabled_only():
+    paths = ["/", "/a", "/a/agent-1", "/a/agent-1/agent-2", "/a/agent-3", "/b", "/b/other"]
+    scopes_ = [Scope("agent-*"), Scope("other", enabled=False)]
+    assert scoped_cgroups(paths, scopes_) == ["/a/agent-1", "/a/agent-3"]
+    assert scoped_cgroups(paths, [Scope("agent-*", enabled=False)]) == []
+    assert covered(scopes_, "/a/agent-1/agent-2/job")
+    assert not covered(scopes_, "/b/other")
+    assert not covered(scopes_, "/a")
+
+
+# --- config editing ---------------------------------------------------------------------------
+
+CONFIG = """\
+# agentzip config for this host (hand-written)
+compression:
+  algorithm: zstd          # zstd | lz4 | lz4hc
+  level: 3
+pool:
+  swap_out_path: /var/tmp/agentzip-test   # keep on local disk
+scopes:
+  # sandboxes of the agent runner
+  - cgroup: agent-sandbox-*.slice
+    enabled: true   # production
+  - cgroup: "batch-*"
+    enabled: false
+device:
+  size: 1G
+"""
+
+
+def test_add_keeps_comments_and_other_keys(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text(CONFIG)
+    os.chmod(path, 0o640)
+    assert "added" in scopes.add(str(path), "ci-*.scope")
+    text = path.read_text()
+    # every line of the original is still there, byte for byte
+    for line in CONFIG.splitlines():
+        assert line in text.splitlines(), line
+    assert text.endswith("device:\n  size: 1G\n")
+    assert "  - cgroup: ci-*.scope\n    enabled: true\n" in text
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
+    cfg = load_config(str(path))
+    assert [(s.cgroup, s.enabled) for s in cfg.scopes] == [
+        ("agent-sandbox-*.slice", True), ("batch-*", False), ("ci-*.scope", True)]
+
+
+def test_enable_disable_remove(tmp_path):
+    path = str(tmp_path / "config.yaml")
+    w(path, CONFIG)
+    scopes.enable(path, "batch-*")
+    scopes.disable(path, "agent-sandbox-*.slice")
+    assert [(s.cgroup, s.enabled) for s in scopes.list_scopes(path)] == [
+        ("agent-sandbox-*.slice", False), ("batch-*", True)]
+    assert "already disabled" in scopes.disable(path, "agent-sandbox-*.slice")
+    scopes.remove(path, "batch-*")
+    assert [s.cgroup for s in scopes.list_scopes(path)] == ["agent-sandbox-*.slice"]
+    text = r(path)
+    assert "# sandboxes of the agent runner" in text and "# production" in text
+    assert '"batch-*"' not in text
+
+
+def test_errors_leave_the_file_alone(tmp_path):
+    path = str(tmp_path / "config.yaml")
+    w(path, CONFIG)
+    with pytest.raises(scopes.ScopeError, match="already in the config"):
+        scopes.add(path, "batch-*")
+    with pytest.raises(scopes.ScopeError, match="no scope 'nope'"):
+        scopes.remove(path, "nope")
+    with pytest.raises(scopes.ScopeError, match="unbalanced"):
+        scopes.add(path, "bad-[glob")
+    assert r(path) == CONFIG
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".agentzip-config-")]
+
+
+def test_invalid_config_is_not_edited(tmp_path):
+    path = str(tmp_path / "config.yaml")
+    w(path, "pool:\n  max_sise: 1G\n")
+    with pytest.raises(ConfigError, match="max_sise"):
+        scopes.add(path, "x-*")
+    assert r(path) == "pool:\n  max_sise: 1G\n"
+
+
+def test_missing_scopes_key_means_defaults_and_missing_file_is_created(tmp_path):
+    path = str(tmp_path / "config.yaml")
+    w(path, "# only a comment\npool:\n  max_size: 1G\n")
+    scopes.add(path, "x-*")
+    # the default scope was implicit; it stays in force next to the new one
+    assert [s.cgroup for s in scopes.list_scopes(path)] == ["agent-sandbox-*.slice", "x-*"]
+    assert r(path).startswith("# only a comment\npool:\n  max_size: 1G\n")
+
+    fresh = str(tmp_path / "etc" / "agentzip" / "config.yaml")
+    scopes.add(fresh, "y-*", enabled=False)
+    assert [(s.cgroup, s.enabled) for s in load_config(fresh).scopes] == [
+        ("agent-sandbox-*.slice", True), ("y-*", False)]
+
+    empty = str(tmp_path / "empty.yaml")
+    w(empty, "scopes: []\n")
+    scopes.add(empty, "z-*")
+    assert r(empty) == "scopes:\n  - cgroup: z-*\n    enabled: true\n"
+
+
+# --- the ledger ---------------------------------------------------------------------------------
+
+def test_ledger_records_before_writing_and_restores(tmp_path):
+    cg = tmp_path / "cg"
+    w(str(cg / "memory.high"), "max\n")
+    w(str(cg / "memory.swap.max"), "0\n")
+    led = Ledger(str(tmp_path / "run"), fake=True)
+    led.write(str(cg / "memory.high"), "1000")
+    led.write(str(cg / "memory.high"), "900")  # the original stays the first one seen
+    led.write(str(cg / "memory.swap.max"), "max")
+    on_disk = json.loads(r(str(tmp_path / "run" / scopes.LEDGER_FILE)))
+    assert [(os.path.basename(e["path"]), e["original"], e["last"]) for e in on_disk["entries"]] == [
+        ("memory.high", "max", "900"), ("memory.swap.max", "0", "max")]
+    # another process (a new Ledger object) sees the same record
+    report = Ledger(str(tmp_path / "run"), fake=True).restore()
+    assert len(report.restored) == 2 and not report.failed
+    assert r(str(cg / "memory.high")) == "max"
+    assert r(str(cg / "memory.swap.max")) == "0"
+    assert not os.path.exists(tmp_path / "run" / scopes.LEDGER_FILE)
+
+
+def test_ledger_write_ahead_survives_a_failed_write(tmp_path, monkeypatch):
+    cg = tmp_path / "cg"
+    w(str(cg / "memory.high"), "max\n")
+    real_write = scopes._write
+
+    def crash(path, value, create=False):
+        raise OSError(5, "Input/output error")  # e.g. the tuner dies inside the write
+
+    monkeypatch.setattr(scopes, "_write", crash)
+    with pytest.raises(OSError):
+        Ledger(str(tmp_path / "run")).write(str(cg / "memory.high"), "5")
+    monkeypatch.setattr(scopes, "_write", real_write)
+    # the original was on disk before the write was tried
+    entries = Ledger(str(tmp_path / "run")).entries()
+    assert [(e.original, e.last) for e in entries] == [("max", "")]
+    w(str(cg / "memory.high"), "5")  # as if the write had landed after all
+    assert len(scopes.release_all(str(tmp_path / "run")).restored) == 1
+    assert r(str(cg / "memory.high")) == "max"
+
+
+def test_ledger_drops_removed_and_recreated_cgroups(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        w(str(d / "memory.high"), "max\n")
+    led = Ledger(str(tmp_path / "run"), fake=True)
+    led.write(str(a / "memory.high"), "1")
+    led.write(str(b / "memory.high"), "2")
+    # a: removed; b: removed and created again (another cgroup under the same name)
+    for f in (a / "memory.high", b / "memory.high"):
+        os.unlink(f)
+    os.rmdir(a)
+    os.rmdir(b)
+    w(str(b / "x"), "")  # occupy the old inode number with something else first
+    os.makedirs(b, exist_ok=True)
+    w(str(b / "memory.high"), "new\n")
+    report = led.restore()
+    assert len(report.gone) == 2 and not report.restored
+    assert r(str(b / "memory.high")) == "new\n"
+    assert led.entries() == []
+
+
+def test_release_unscoped_restores_only_uncovered(tmp_path):
+    cgs = {n: tmp_path / "fs" / n for n in ("agent-1", "agent-2", "other")}
+    led = Ledger(str(tmp_path / "run"), fake=True, rel_of=lambda d: "/" + os.path.basename(d))
+    for n, d in cgs.items():
+        w(str(d / "memory.high"), "max\n")
+        led.write(str(d / "memory.high"), "7")
+    report = scopes.release_unscoped(str(tmp_path / "run"), [Scope("agent-1"), Scope("other")])
+    assert [e.cgroup for e in report.restored] == ["/agent-2"]
+    assert r(str(cgs["agent-2"] / "memory.high")) == "max"
+    assert r(str(cgs["agent-1"] / "memory.high")) == "7"
+    assert sorted(led.cgroups()) == ["/agent-1", "/other"]
+    assert len(scopes.release_all(str(tmp_path / "run")).restored) == 2
+    assert r(str(cgs["other"] / "memory.high")) == "max"
+
+
+# --- the CLI on a fake v2 tree ------------------------------------------------------------------
+
+SANDBOX = "/agents/agent-sandbox-1.slice"
+OTHER = "/agents/other.slice"
+
+
+def _cli(tmp_path, root, *argv):
+    return cli.main(["--config", str(tmp_path / "config.yaml"), "--run-dir", str(tmp_path / "run"),
+                     *argv, "--cgroup-root", root])
+
+
+def _v2_files(mnt, rel):
+    d = f"{mnt}{rel}"
+    return {n: r(f"{d}/{n}").strip() for n in sorted(os.listdir(d)) if n != "memory.reclaim"}
+
+
+def test_cli_scope_tune_disable_restores(tmp_path, capsys):
+    root, mnt = fake_v2(tmp_path / "fs", {SANDBOX: {"cgroup.procs": "100\n"}, OTHER: {"cgroup.procs": "200\n"}})
+    w(str(tmp_path / "config.yaml"), "# test\nscopes: []\n")
+    before = {rel: _v2_files(mnt, rel) for rel in (SANDBOX, OTHER)}
+
+    assert _cli(tmp_path, root, "scope", "add", "--cgroup", "agent-sandbox-*.slice") == 0
+    assert _cli(tmp_path, root, "scope", "list", "--json") == 0
+    out = capsys.readouterr().out.strip().splitlines()[-1]
+    listed = json.loads(out)
+    assert listed["scopes"] == [{"cgroup": "agent-sandbox-*.slice", "enabled": True, "matches": [SANDBOX]}]
+
+    assert _cli(tmp_path, root, "tune", "--without-device", "--steps", "3", "--interval", "0.01",
+                "--grace", "0", "--floor", "16M", "--mode", "limit", "--keep") == 0
+    out = capsys.readouterr().out
+    decisions = [l for l in out.splitlines() if f"tune {SANDBOX}: " in l and "prepared" not in l]
+    assert len(decisions) == 3  # one line per decision
+    assert OTHER not in out
+    assert r(f"{mnt}{SANDBOX}/memory.high").strip() != "max"  # the cap was written (and kept)
+    assert r(f"{mnt}{SANDBOX}/memory.swap.max") == "max"
+    assert _v2_files(mnt, OTHER) == before[OTHER]  # the unscoped cgroup: untouched
+
+    assert _cli(tmp_path, root, "scope", "disable", "--cgroup", "agent-sandbox-*.slice") == 0
+    msg = capsys.readouterr().out
+    assert "2 setting(s) restored" in msg and SANDBOX in msg
+    assert _v2_files(mnt, SANDBOX) == before[SANDBOX]
+    assert "# test" in r(str(tmp_path / "config.yaml"))
+
+
+def test_cli_scope_errors(tmp_path, capsys):
+    root, _ = fake_v2(tmp_path / "fs")
+    assert _cli(tmp_path, root, "scope", "add") == 2
+    assert "--cgroup GLOB is required" in capsys.readouterr().err
+    assert _cli(tmp_path, root, "scope", "remove", "--cgroup", "nope-*") == 2
+    assert "no scope 'nope-*'" in capsys.readouterr().err
