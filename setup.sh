@@ -5,7 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-APT_PACKAGES=(nbdkit nbdkit-plugin-python libnbd-bin python3-libnbd fuse3 python3-venv util-linux)
+APT_PACKAGES=(nbdkit nbdkit-plugin-python libnbd-bin python3-libnbd fuse3 python3-venv util-linux
+              chromium nodejs  # chromium, nodejs: tests/test_workloads.py runs workloads C and D
+              fio stress-ng gcc libfuse3-dev  # tests/reliability: fio, stress-ng, failfs (FUSE)
+              systemd openssl)  # test_systemd_units: systemd-analyze verify (no PID 1 needed); test_k8s: TLS cert
 VENV=.venv
 
 need_root() {
@@ -34,7 +37,7 @@ install_venv() {
         rm -rf "$VENV"
         /usr/bin/python3 -m venv --system-site-packages "$VENV"
     fi
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test]"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test,bench]"
 }
 
 need_root

@@ -19,6 +19,8 @@ import time
 
 from . import __version__, cli_dict, system
 from . import cli_cgstats, cli_doctor, cli_scope, cli_tune
+from . import cli_metrics, units_install
+from .k8s import cli as cli_k8s
 from .system import SetupError
 
 PROG = "agentzip-blk"
@@ -425,6 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
     cli_tune.register(sub)  # also adds `up --tune`
     cli_doctor.register(sub)
     cli_cgstats.register(sub)  # adds `stats --cgroup`
+    cli_metrics.register(sub)
+    units_install.register(sub)
+    cli_k8s.register(sub)  # webhook, node-agent
     return p
 
 

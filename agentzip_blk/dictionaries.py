@@ -450,15 +450,16 @@ class HostTrainer:
     def observe(self, page) -> None:
         """Called for each page the store compresses; cheap unless it keeps a copy."""
         self._count += 1
-        if self._count % self.sample_every or self._busy:
+        # Collect only once the next round is due: samples kept through the interval would be
+        # stale by then and cost their 10 MiB of memory all along.
+        if self._count % self.sample_every or self._busy or self._clock() < self._next_round:
             return
         target = self._heldout if self.stats.sampled % 5 == 4 else self._train
         self.stats.sampled += 1
         limit = self.heldout_pages if target is self._heldout else self.train_pages
         if len(target) < limit:
             target.append(bytes(page))
-        if (len(self._train) >= self.train_pages and len(self._heldout) >= self.heldout_pages
-                and self._clock() >= self._next_round):
+        if len(self._train) >= self.train_pages and len(self._heldout) >= self.heldout_pages:
             self._start_round()
 
     def _start_round(self) -> None:

@@ -52,11 +52,19 @@ class Facts:
     scopes_enabled: list[str] = field(default_factory=list)
     scoped_cgroups: list[str] = field(default_factory=list)
     scoped_with_server: list[str] = field(default_factory=list)
+    # machine-wide proactive reclaim (DAMON pageout on physical memory, DAMON_RECLAIM): it
+    # swaps cold anon pages of *every* cgroup into whatever swap exists, scoped or not
+    damon_anon_pageout: list[str] = field(default_factory=list)
+    damon_file_only: list[str] = field(default_factory=list)  # pageout schemes that skip anon
 
 
 def _kernel_tuple(release: str) -> tuple[int, int]:
     m = re.match(r"(\d+)\.(\d+)", release)
     return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def _under(root: str, path: str) -> str:
+    return path if root in ("", "/") else os.path.join(root, path.lstrip("/"))
 
 
 def gather(run_dir: str, config=None, root: str = "/") -> Facts:
@@ -87,6 +95,7 @@ def gather(run_dir: str, config=None, root: str = "/") -> Facts:
     f.fuse_dev = os.path.exists("/dev/fuse")
     f.loop_control = os.path.exists("/dev/loop-control")
     f.fuse_tools = system.missing_tools(["nbdfuse", "fusermount3"])
+    f.damon_anon_pageout, f.damon_file_only = damon_pageout(_under(root, "/sys"))
     state = None
     try:
         state = device.RunState.load(run_dir)
@@ -120,6 +129,60 @@ def gather(run_dir: str, config=None, root: str = "/") -> Facts:
                 if protected & set(backend.pids(rel)):
                     f.scoped_with_server.append(rel)
     return f
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
+def _excludes_anon(scheme: str) -> bool:
+    """Does a DAMOS scheme filter out anonymous pages? (kernels before the ``allow`` file:
+    a matching filter always excludes)"""
+    for kind in ("filters", "ops_filters", "core_filters"):
+        base = os.path.join(scheme, kind)
+        if not os.path.isdir(base):
+            continue
+        for name in os.listdir(base):
+            flt = os.path.join(base, name)
+            if not name.isdigit() or _read(os.path.join(flt, "type")) != "anon":
+                continue
+            matching = _read(os.path.join(flt, "matching")) == "Y"
+            allow = _read(os.path.join(flt, "allow"))
+            if matching and allow in ("", "N"):
+                return True
+            if not matching and allow == "Y":
+                return True  # "only non-anon allowed"
+    return False
+
+
+def damon_pageout(sysfs: str = "/sys") -> tuple[list[str], list[str]]:
+    """Running DAMON pageout schemes on physical memory: (those that may page out anon pages,
+    those that exclude anon). Also DAMON_RECLAIM, which pages out anon and file alike."""
+    anon, file_only = [], []
+    if _read(os.path.join(sysfs, "module/damon_reclaim/parameters/enabled")) == "Y":
+        anon.append("DAMON_RECLAIM (damon_reclaim.enabled=Y)")
+    root = os.path.join(sysfs, "kernel/mm/damon/admin/kdamonds")
+    for k in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        kd = os.path.join(root, k)
+        if not k.isdigit() or _read(os.path.join(kd, "state")) != "on":
+            continue
+        ctxs = os.path.join(kd, "contexts")
+        for c in sorted(os.listdir(ctxs)) if os.path.isdir(ctxs) else []:
+            ctx = os.path.join(ctxs, c)
+            if not c.isdigit() or _read(os.path.join(ctx, "operations")) != "paddr":
+                continue
+            schemes = os.path.join(ctx, "schemes")
+            for sc in sorted(os.listdir(schemes)) if os.path.isdir(schemes) else []:
+                scheme = os.path.join(schemes, sc)
+                if not sc.isdigit() or _read(os.path.join(scheme, "action")) != "pageout":
+                    continue
+                name = f"kdamond {k} context {c} scheme {sc}"
+                (file_only if _excludes_anon(scheme) else anon).append(name)
+    return anon, file_only
 
 
 def diagnose(f: Facts) -> list[Check]:
@@ -245,6 +308,18 @@ def diagnose(f: Facts) -> list[Check]:
         add(Check("server memory", FAIL, "nbdkit memory NOT locked: a server page swapped onto its "
                   "own device deadlocks the swap-in",
                   "run up as root without --no-mlock; check `ulimit -l` (RLIMIT_MEMLOCK)"))
+
+    # other proactive reclaim on the host
+    if f.damon_anon_pageout:
+        add(Check("host reclaim", WARN, "machine-wide DAMON pageout may swap anon pages of every "
+                  "cgroup, scoped or not, into the device: " + ", ".join(f.damon_anon_pageout),
+                  "add a DAMOS filter to the scheme (type anon, allow N), or limit it to the "
+                  "scoped cgroups with memcg filters"))
+    elif f.damon_file_only:
+        add(Check("host reclaim", PASS, "DAMON pageout runs (" + ", ".join(f.damon_file_only) +
+                  ") but excludes anon pages: it never swaps"))
+    else:
+        add(Check("host reclaim", PASS, "no machine-wide proactive reclaim (DAMON) pages out anon memory"))
 
     # scopes
     if not f.scopes_enabled:

@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from . import dictionaries, protect
+from . import dictionaries, latency, protect
 from .config import Config, load_config
 from .control import ControlServer
 from .maintenance import Maintainer
@@ -58,6 +58,7 @@ class Server:
         self.control: ControlServer | None = None
         self.maintainer: Maintainer | None = None
         self.protection = Protection()
+        self.latency = latency.Latency()  # the plugin times pread/pwrite into it
         self.started = time.time()
         self._flusher_lock = threading.Lock()
 
@@ -130,6 +131,7 @@ class Server:
 
     def _stats(self, request: dict) -> dict:
         stats = self.store.stats()
+        stats["latency"] = self.latency.snapshot()
         stats["server"] = {
             "pid": os.getpid(),
             "rss_bytes": protect.rss_bytes(),

@@ -9,6 +9,7 @@ Errors: EINVAL for ranges outside the device, ENOSPC when the store cannot take 
 import errno
 import os
 import sys
+from time import perf_counter
 
 import nbdkit
 
@@ -105,18 +106,22 @@ def can_multi_conn(h):
 
 def pread(h, buf, offset, flags):
     _server.on_request_thread()
+    t0 = perf_counter()
     try:
         _server.store.readinto(buf, offset)
     except Exception as exc:
         _fail(exc)
+    _server.latency.read.observe(perf_counter() - t0)
 
 
 def pwrite(h, buf, offset, flags):
     _server.on_request_thread()
+    t0 = perf_counter()
     try:
         _server.store.write(buf, offset)
     except Exception as exc:
         _fail(exc)
+    _server.latency.write.observe(perf_counter() - t0)
 
 
 def flush(h, flags):

@@ -29,7 +29,7 @@ def test_a_healthy_host_passes_everything():
     assert {c.status for c in checks} == {PASS}, doctor.render(checks)
     assert doctor.worst(checks) == PASS
     assert set(by_name(checks)) >= {"kernel", "memory cgroup", "swap areas", "zswap", "nbd module",
-                                    "fuse", "loop direct-io", "server memory", "scopes"}
+                                    "fuse", "loop direct-io", "server memory", "host reclaim", "scopes"}
 
 
 def test_zswap_fails_and_says_how_to_turn_it_off():
@@ -111,3 +111,38 @@ def test_real_host(tmp_path, capsys):
     rc2 = cli.main(["--run-dir", str(tmp_path), "doctor"])
     out = capsys.readouterr().out
     assert out.splitlines()[0].split()[0] in ("PASS", "WARN", "FAIL") and rc2 == rc
+
+
+def _scheme(root, k, filters):
+    base = root / "kernel/mm/damon/admin/kdamonds" / str(k)
+    (base / "state").parent.mkdir(parents=True, exist_ok=True)
+    (base / "state").write_text("on\n")
+    ctx = base / "contexts/0"
+    (ctx / "schemes/0").mkdir(parents=True)
+    (ctx / "operations").write_text("paddr\n")
+    (ctx / "schemes/0/action").write_text("pageout\n")
+    for i, (typ, matching, allow) in enumerate(filters):
+        d = ctx / "schemes/0/ops_filters" / str(i)
+        d.mkdir(parents=True)
+        (d / "type").write_text(typ + "\n")
+        (d / "matching").write_text(matching + "\n")
+        if allow is not None:
+            (d / "allow").write_text(allow + "\n")
+
+
+def test_damon_pageout_detection(tmp_path):
+    # the layout of this development host: a paddr pageout scheme that filters anon out
+    _scheme(tmp_path, 0, [("anon", "Y", "N"), ("unmapped", "Y", "Y")])
+    # a scheme with no anon filter pages out everything
+    _scheme(tmp_path, 1, [("unmapped", "Y", "Y")])
+    # older kernels: no allow file, a matching filter excludes
+    _scheme(tmp_path, 2, [("anon", "Y", None)])
+    anon, file_only = doctor.damon_pageout(str(tmp_path))
+    assert anon == ["kdamond 1 context 0 scheme 0"]
+    assert file_only == ["kdamond 0 context 0 scheme 0", "kdamond 2 context 0 scheme 0"]
+    c = by_name(diagnose(healthy(damon_anon_pageout=anon)))["host reclaim"]
+    assert c.status == WARN and "allow N" in c.fix
+    assert by_name(diagnose(healthy(damon_file_only=file_only)))["host reclaim"].status == PASS
+    (tmp_path / "module/damon_reclaim/parameters").mkdir(parents=True)
+    (tmp_path / "module/damon_reclaim/parameters/enabled").write_text("Y\n")
+    assert doctor.damon_pageout(str(tmp_path))[0][0].startswith("DAMON_RECLAIM")

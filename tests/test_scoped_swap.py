@@ -210,3 +210,52 @@ def test_scoped_and_unscoped(tmp_path):
                 pass
             cg.remove()
     assert system.swaps() == []
+
+
+@pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
+def test_up_tune_starts_the_tuner_and_down_restores(tmp_path):
+    """The CLI path: `up --tune` starts the tuner in the background (an enabled scope exists),
+    `down` stops it and every setting it wrote is back before swapoff."""
+    import subprocess
+    import sys
+
+    from agentzip_blk.tuner import running_pid
+
+    glob = f"azt-uptune-{os.getpid()}"
+    run_dir = str(tmp_path / "run")
+    config_path = str(tmp_path / "config.yaml")
+    with open(config_path, "w") as f:
+        f.write(f"pool:\n  swap_out_path: {tmp_path / 'disk-tier'}\ndevice:\n  size: 256M\n"
+                f"  run_dir: {run_dir}\npolicy:\n  cold_grace_period: 1s\n"
+                f"scopes:\n  - cgroup: {glob}\n")
+    cg = MemoryCgroup.create(glob)
+    snap = _snapshot(cg)
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                         preexec_fn=lambda: cg.add_pid(os.getpid()))
+    base = ["--config", config_path, "--run-dir", run_dir]
+    written = []
+    try:
+        assert cli.main(base + ["up", "--tune"]) == 0
+        pid = running_pid(run_dir)
+        assert pid is not None
+        deadline = time.monotonic() + 20
+        while not written and time.monotonic() < deadline:
+            written = Ledger(run_dir).entries()
+            time.sleep(0.2)
+        assert written and {e.cgroup for e in written} == {cg.rel}
+        assert _snapshot(cg) != snap
+    finally:
+        try:
+            assert cli.main(base + ["down", "--force"]) == 0
+            _check_restored(written, "down")
+            after = _snapshot(cg)
+        finally:
+            p.kill()
+            p.wait()
+            cg.remove()
+    assert running_pid(run_dir) is None and not system.pid_alive(pid)
+    assert after == snap
+    assert Ledger(run_dir).entries() == []
+    log = open(os.path.join(run_dir, "tuner.log")).read()
+    assert f"{cg.rel}: prepared" in log and "stopped:" in log
+    assert system.swaps() == []

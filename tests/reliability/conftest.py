@@ -17,9 +17,9 @@ def skip_reason(*tools: str, root: bool = True, nbd: bool = True) -> str | None:
     if missing:
         return f"missing tools: {', '.join(missing)} (./setup.sh installs them)"
     if nbd:
-        try:
-            import nbd as _  # noqa: F401
-        except ImportError:
+        import importlib.util
+
+        if importlib.util.find_spec("nbd") is None:
             return "python3-libnbd not installed"
     return None
 

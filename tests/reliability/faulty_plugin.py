@@ -72,7 +72,7 @@ def after_fork():
     _real.after_fork()
 
 
-for _name in ("thread_model", "config_complete", "cleanup", "open", "get_size", "block_size",
-              "can_write", "can_flush", "can_trim", "can_zero", "can_fast_zero",
-              "can_multi_conn", "pread", "pwrite", "flush", "trim", "zero"):
-    globals()[_name] = getattr(_real, _name)
+# Every other callback (and whatever the real plugin adds later) is the real plugin's own.
+for _name, _value in vars(_real).items():
+    if not _name.startswith("_") and _name not in globals():
+        globals()[_name] = _value

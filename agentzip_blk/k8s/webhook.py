@@ -1,0 +1,159 @@
+"""Mutating admission webhook (AdmissionReview ``admission.k8s.io/v1``) over HTTPS.
+
+For a Pod CREATE:
+
+- no ``agentzip.io/`` annotation: allowed, no patch (the webhook is a no-op for other Pods);
+- valid annotations: allowed, with a JSONPatch that records the validated request in
+  ``agentzip.io/admission`` (``{"enabled": true, "compression_level": 3}``); warnings (e.g.
+  a level on a disabled Pod) go to the response's ``warnings``;
+- invalid annotations: denied, status code 400 with a message naming every bad annotation.
+
+Anything else (other kinds, DELETE, CONNECT) is allowed untouched. The response always
+echoes ``request.uid``. The HTTP server is the stdlib's (``http.server`` + ``ssl``, TLS 1.2+):
+it has one route, ``POST /mutate`` (also ``/``), JSON in and out, bodies up to 4 MiB;
+``GET /healthz`` answers ``ok`` for the readiness probe.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import ssl
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from . import annotations as ann
+
+log = logging.getLogger(__name__)
+
+API_VERSION = "admission.k8s.io/v1"
+MAX_BODY = 4 << 20
+
+
+class BadReview(ValueError):
+    """The body is not an AdmissionReview v1 request (HTTP 400, no review response)."""
+
+
+def _escape(key: str) -> str:
+    """RFC 6901 JSON Pointer escaping of one path segment."""
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def patch_for(pod: dict, settings: ann.PodSettings) -> list[dict]:
+    metadata = pod.get("metadata") or {}
+    value = settings.record()
+    if not metadata.get("annotations"):  # cannot add below a missing object
+        return [{"op": "add", "path": "/metadata/annotations", "value": {ann.RECORD: value}}]
+    op = "replace" if ann.RECORD in metadata["annotations"] else "add"
+    return [{"op": op, "path": f"/metadata/annotations/{_escape(ann.RECORD)}", "value": value}]
+
+
+def review(body: dict) -> dict:
+    """AdmissionReview request -> AdmissionReview response (pure; the HTTP layer is thin)."""
+    if not isinstance(body, dict) or body.get("apiVersion") != API_VERSION \
+            or body.get("kind") != "AdmissionReview":
+        raise BadReview(f"expected apiVersion {API_VERSION} kind AdmissionReview")
+    req = body.get("request")
+    if not isinstance(req, dict) or not isinstance(req.get("uid"), str):
+        raise BadReview("AdmissionReview without request.uid")
+    resp: dict = {"uid": req["uid"], "allowed": True}
+    out = {"apiVersion": API_VERSION, "kind": "AdmissionReview", "response": resp}
+    kind = req.get("kind") or {}
+    pod = req.get("object")
+    if kind.get("kind") != "Pod" or kind.get("group", "") != "" or not isinstance(pod, dict) \
+            or req.get("operation") not in ("CREATE", "UPDATE"):
+        return out
+    name = (pod.get("metadata") or {}).get("name") or (pod.get("metadata") or {}).get(
+        "generateName", "") or req.get("name", "")
+    where = f"{req.get('namespace', '')}/{name}"
+    try:
+        settings = ann.parse((pod.get("metadata") or {}).get("annotations"))
+    except ann.AnnotationError as e:
+        resp["allowed"] = False
+        resp["status"] = {"code": 400, "reason": "Invalid", "message": f"agentzip: {e}"}
+        log.info("denied %s: %s", where, e)
+        return out
+    if settings is None:
+        return out
+    if settings.warnings:
+        resp["warnings"] = [f"agentzip: {w}" for w in settings.warnings]
+    patch = patch_for(pod, settings)
+    resp["patchType"] = "JSONPatch"
+    resp["patch"] = base64.b64encode(json.dumps(patch).encode()).decode()
+    log.info("admitted %s: %s", where, settings.record())
+    return out
+
+
+class Handler(BaseHTTPRequestHandler):
+    server_version = "agentzip-webhook"
+    protocol_version = "HTTP/1.1"
+
+    def _send(self, code: int, payload: bytes, ctype: str = "application/json") -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if self.path.split("?")[0] == "/healthz":
+            self._send(200, b"ok", "text/plain")
+        else:
+            self._send(404, b"not found", "text/plain")
+
+    def do_POST(self) -> None:  # noqa: N802
+        if self.path.split("?")[0] not in ("/mutate", "/"):
+            self._send(404, b'{"error": "not found: POST /mutate"}')
+            return
+        try:
+            n = int(self.headers.get("Content-Length", "-1"))
+        except ValueError:
+            n = -1
+        if n < 0 or n > MAX_BODY:
+            self._send(413 if n > MAX_BODY else 411, b"bad Content-Length", "text/plain")
+            self.close_connection = True
+            return
+        raw = self.rfile.read(n)
+        try:
+            out = review(json.loads(raw))
+        except (ValueError, BadReview) as e:  # JSONDecodeError is a ValueError
+            self._send(400, json.dumps({"error": str(e)}).encode())
+            return
+        self._send(200, json.dumps(out).encode())
+
+    def log_message(self, fmt: str, *args) -> None:  # route to logging, not stderr
+        log.debug("%s " + fmt, self.address_string(), *args)
+
+
+def tls_context(certfile: str, keyfile: str) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(certfile, keyfile)
+    return ctx
+
+
+class TLSServer(ThreadingHTTPServer):
+    """Handshake per connection in its handler thread: a slow client stalls only itself."""
+
+    daemon_threads = True
+
+    def __init__(self, addr, handler, context: ssl.SSLContext):
+        self.context = context
+        super().__init__(addr, handler)
+
+    def get_request(self):
+        sock, addr = super().get_request()
+        return self.context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), addr
+
+    def finish_request(self, request, client_address):
+        request.settimeout(30)
+        try:
+            request.do_handshake()
+        except (ssl.SSLError, OSError) as e:
+            log.debug("TLS handshake from %s: %s", client_address, e)
+            return
+        super().finish_request(request, client_address)
+
+
+def make_server(listen: tuple[str, int], certfile: str, keyfile: str) -> TLSServer:
+    return TLSServer(listen, Handler, tls_context(certfile, keyfile))
