@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 ACTIONS = ("add", "remove", "enable", "disable", "list")
 
@@ -71,8 +72,6 @@ def cmd_scope(args) -> int:
 
 
 def _writable(path: str) -> bool:
-    import os
-
     target = path if os.path.exists(path) else os.path.dirname(os.path.abspath(path))
     while not os.path.exists(target):
         target = os.path.dirname(target)
@@ -109,6 +108,8 @@ def _list(args, path: str) -> int:
               f"{len(m)}{': ' + shown if m else ''}")
     if not rows:
         print("(no scopes: the tuner touches no cgroup)")
+    if not os.path.exists(path):
+        print(f"({path} does not exist: these are the defaults; `scope add` creates it)")
     for cg, files in tuned.items():
         print(f"tuned now: {cg} ({', '.join(files)}; restored on disable/remove/down)")
     return 0

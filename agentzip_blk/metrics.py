@@ -11,10 +11,12 @@ scrape, not an HTTP endpoint inside nbdkit. Why:
   server (``agentzip-blk.service``) must not restart while swap is attached.
 - Per-cgroup figures need ``/proc/PID/pagemap`` of the sandboxes (root) and a walk of the
   cgroup tree: that is CLI-side work (``cgstats``), not the server's.
-- Cost: one ``stats`` call per scrape. It is O(slots) numpy work under the store lock;
-  measured with a 64 MiB device holding 48 MiB of pages: see docs/JSON.md / the report;
-  a 15 s scrape interval makes it negligible. Latency, which a poller cannot sample, is kept
-  in fixed buckets inside the server (``agentzip_blk.latency``) and only copied out here.
+- Cost: one ``stats`` call per scrape, O(slots) numpy work under the store lock. Measured
+  (1 GiB device, 65536 pages stored): ``stats`` 4.9 ms, a whole scrape over HTTP 16 ms; at a
+  15 s scrape interval that is ~0.03 % of one core and one 5 ms pause of the request path.
+  Latency, which a poller cannot sample, is kept in fixed buckets inside the server
+  (``agentzip_blk.latency``, measured ~0.3 us per request on top of two perf_counter calls)
+  and only copied out here.
 
 Nothing is cached between scrapes except the per-cgroup table (``--cgroup-interval``,
 default 30 s), because walking pagemaps is the expensive part.

@@ -178,7 +178,10 @@ class Controller:
             return d
         headroom = 1 - pressure / s.pressure_target
         frac = s.max_probe * headroom
-        base = min(usage, prev) if prev is not None else usage
+        # limit mode: never probe from above the cap we set; reclaim mode is stateless like
+        # TMO (a fraction of what is resident now): a workload that grew new hot data since
+        # the last probe must not lose all of it in one pulse back to an old target
+        base = min(usage, prev) if prev is not None and s.mode == "limit" else usage
         new = self._clamp(base * (1 - frac))
         d.action, d.target = "probe", new
         d.reason = f"-{frac:.1%}"

@@ -288,3 +288,14 @@ def test_pingpong_is_shared_by_major_faults(tmp_path):
     d = {x.cgroup: x for x in tuner.step()}
     assert d[SANDBOX].pressure == pytest.approx((30 + 30) * 100e-6)  # 3/4 of the ping-pong
     assert d[OTHER].pressure == pytest.approx((10 + 10) * 100e-6)
+
+
+def test_reclaim_mode_probes_from_current_usage_limit_mode_from_its_cap():
+    """A workload that grew since the last probe: reclaim mode takes a fraction of what is
+    resident now, not everything above the old target; limit mode keeps its cap."""
+    r = Controller(settings(mode="reclaim"), started=0.0)
+    r.decide(0.0, 500 * MiB, 0.0)
+    assert r.decide(1.0, 900 * MiB, 0.0).target == int(900 * MiB * 0.95)
+    lim = Controller(settings(mode="limit"), started=0.0)
+    first = lim.decide(0.0, 500 * MiB, 0.0).target
+    assert lim.decide(1.0, 900 * MiB, 0.0).target == int(first * 0.95)

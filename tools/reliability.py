@@ -18,6 +18,7 @@ import argparse
 import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -82,6 +83,7 @@ def run(fast: bool, examples: int | None, extra: list[str]) -> dict:
         for key, value in counts.items():
             totals[key] += value
     tests = _junit_counts(junit)
+    shutil.rmtree(tmp, ignore_errors=True)
     ok = rc == 0 and totals.get("data_lost", 0) == 0 and not tests["failed"]
     return {
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -3,6 +3,7 @@ swap, fio, and the two fault filesystems (a full tmpfs, and failfs which fails o
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import json
@@ -284,7 +285,9 @@ def _build_failfs() -> str:
     global _FAILFS_BIN
     if _FAILFS_BIN and os.path.exists(_FAILFS_BIN):
         return _FAILFS_BIN
-    out = os.path.join(tempfile.mkdtemp(prefix="azrel-failfs-"), "failfs")
+    build = tempfile.mkdtemp(prefix="azrel-failfs-bin-")
+    atexit.register(shutil.rmtree, build, True)
+    out = os.path.join(build, "failfs")
     subprocess.run(["cc", "-O2", "-Wall", "-o", out, str(HERE / "failfs.c"),
                     "-I/usr/include/fuse3", "-lfuse3", "-lpthread"],
                    check=True, capture_output=True, text=True)

@@ -125,19 +125,22 @@ def _check(res: dict, pool_cycles: float, disk_cycles: float) -> None:
     assert res["errors"] == 0 and res["enospc"] == 0, res
     assert res["maintenance_error"] is None, res["maintenance_error"]
     assert res["swap_out"] > 0 and res["swap_in"] > 0, res
-    # the pool filled and turned over; pages went to disk and came back from it, and the
-    # disk tier took several times what it holds at the end
+    # The pool filled and turned over many times; the disk tier took several pools' worth
+    # and gave pages back (promotions). What the disk tier holds at the end is no measure:
+    # slots the kernel freed stay there until a whole swap cluster is discarded.
     assert res["bytes_written"] >= pool_cycles * POOL, res
-    assert res["to_disk"] >= disk_cycles * max(POOL, res["disk_pages"] * 4096), res
+    assert res["to_disk"] >= disk_cycles * POOL, res
     assert res["promotions"] > 0, res
     support.record("stress_ng", bytes_verified=res["bytes_read"], data_lost=0)
 
 
 def test_stress_ng_swap_fast(tmp_path):
-    _check(run_stress(tmp_path, seconds=20), pool_cycles=20, disk_cycles=2)
+    _check(run_stress(tmp_path, seconds=20), pool_cycles=20, disk_cycles=4)
 
 
 @pytest.mark.slow
 def test_stress_ng_swap_long(tmp_path):
-    _check(run_stress(tmp_path, seconds=120, workers=3, vm_bytes=128 * MiB, limit=128 * MiB),
-           pool_cycles=100, disk_cycles=2)
+    # 2.25x the limit: a hard limit far below what runs makes v1 reclaim give up and
+    # OOM-kill even with free swap (DESIGN.md: squeeze gradually); that is not the device
+    _check(run_stress(tmp_path, seconds=120, workers=3, vm_bytes=96 * MiB, limit=128 * MiB),
+           pool_cycles=100, disk_cycles=20)

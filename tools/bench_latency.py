@@ -1,0 +1,230 @@
+#!/usr/bin/env python3
+"""Where the time of one 4 KiB read goes: the chain measured layer by layer, with zram.
+
+Each row reads the same 64 MiB of agent-like pages, 4 KiB at a time at random offsets, and
+times every read; a layer's own cost is its row minus the row below it:
+
+  store          PageStore.readinto in this process (Python + codec + allocator)
+  nbdkit+NBD     libnbd client -> unix socket -> nbdkit -> the plugin (the store call inside
+                 it is the "store" row); nbdkit's memory plugin and an empty Python plugin
+                 on the same socket show what nbdkit and the embedded interpreter cost alone
+  FUSE           O_DIRECT read of the nbdfuse file (kernel FUSE + nbdfuse + the rows above)
+  loop           O_DIRECT read of the loop device (what swap-in goes through)
+  zram           O_DIRECT read of /dev/zram0 (lz4) holding the same pages
+
+Writes results/bench_latency.json and the BENCHMARKS.md section between
+<!-- bench_latency:begin --> and <!-- bench_latency:end -->. Needs root; attaches no swap
+(the device is attached but swap is not enabled on it). Run under the swap lock:
+
+    flock /tmp/agentzip-swap.lock .venv/bin/python tools/bench_latency.py
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import numpy as np  # noqa: E402
+
+from agentzip_blk import device  # noqa: E402
+from agentzip_blk.config import Config  # noqa: E402
+from agentzip_blk.store import PageStore  # noqa: E402
+from tools.bench_churn import write_section  # noqa: E402
+
+PAGE = 4096
+DATA = 64 << 20
+READS = 4000
+
+NULL_PLUGIN = '''
+import nbdkit
+API_VERSION = 2
+def thread_model(): return nbdkit.THREAD_MODEL_SERIALIZE_ALL_REQUESTS
+def open(readonly): return 1
+def get_size(h): return %d
+def pread(h, buf, offset, flags): pass
+'''
+
+
+def agent_pages(size: int, seed: int = 1) -> bytes:
+    rnd = random.Random(seed)
+    words = [b'"role"', b'"tool"', b"result", b"\\n", b"value", b"error", b"{", b"}", b"def"]
+    out = bytearray()
+    while len(out) < size:
+        out += rnd.choice(words) + str(rnd.randrange(10**6)).encode() + b" "
+    return bytes(out[:size])
+
+
+def offsets(seed: int = 2) -> list[int]:
+    rnd = random.Random(seed)
+    return [rnd.randrange(DATA // PAGE) * PAGE for _ in range(READS)]
+
+
+def summarize(times: list[float]) -> dict:
+    a = np.array(times) * 1e6
+    return {"p50_us": round(float(np.percentile(a, 50)), 1),
+            "p99_us": round(float(np.percentile(a, 99)), 1),
+            "p999_us": round(float(np.percentile(a, 99.9)), 1),
+            "mean_us": round(float(a.mean()), 1)}
+
+
+def time_calls(call, offs: list[int]) -> dict:
+    times = []
+    for off in offs:
+        t = time.perf_counter()
+        call(off)
+        times.append(time.perf_counter() - t)
+    return summarize(times)
+
+
+def direct_reader(path: str):
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    buf = mmap.mmap(-1, PAGE)
+    return fd, (lambda off: os.preadv(fd, [buf], off))
+
+
+def nbd_reader(sock: str):
+    import nbd
+
+    h = nbd.NBD()
+    h.connect_unix(sock)
+    return h, (lambda off: h.pread(PAGE, off))
+
+
+def run() -> dict:
+    data = agent_pages(DATA)
+    offs = offsets()
+    rows: dict[str, dict] = {}
+
+    store = PageStore(1 << 30, max_size=1 << 30)
+    store.write(data, 0)
+    buf = bytearray(PAGE)
+    rows["store (in process)"] = time_calls(lambda off: store.readinto(buf, off), offs)
+    store.close()
+
+    tmp = tempfile.mkdtemp(prefix="azlat-")
+    from nbdkit_server import plugin_env
+
+    null = Path(tmp) / "null_plugin.py"
+    null.write_text(NULL_PLUGIN % (1 << 30))
+    for name, argv in (("nbdkit memory plugin", ["memory", "size=1G"]),
+                       ("nbdkit empty Python plugin", ["python", str(null)])):
+        sock = f"{tmp}/{name.split()[1]}.sock"
+        proc = subprocess.Popen(["nbdkit", "-f", "-U", sock, *argv], env=plugin_env())
+        try:
+            for _ in range(100):
+                if os.path.exists(sock):
+                    break
+                time.sleep(0.05)
+            h, call = nbd_reader(sock)
+            h.pwrite(data[: 16 << 20], 0) if "memory" in name else None
+            rows[name] = time_calls(call, offs)
+            h.shutdown()
+        finally:
+            proc.terminate()
+            proc.wait()
+
+    cfg = Config()
+    cfg.pool.swap_out_path = f"{tmp}/disk-tier"
+    cfg.compression.dictionary = "none"
+    with device.attached(cfg, f"{tmp}/run", size=1 << 30) as st:
+        # attached() made it swap; take swap off again: only the block path is measured here.
+        subprocess.run(["swapoff", st.loop_device], check=True)
+        h, call = nbd_reader(st.nbd_socket)
+        h.pwrite(data, 0)
+        rows["agentzip plugin over NBD (libnbd)"] = time_calls(call, offs)
+        from agentzip_blk import control
+
+        inside = control.request(st.control_socket, "stats").get("latency")
+        h.shutdown()
+        fd, call = direct_reader(st.fuse_file)
+        rows["+ FUSE (nbdfuse file, O_DIRECT)"] = time_calls(call, offs)
+        os.close(fd)
+        fd, call = direct_reader(st.loop_device)
+        rows["+ loop device (O_DIRECT): the swap-in path"] = time_calls(call, offs)
+        os.close(fd)
+        subprocess.run(["mkswap", st.loop_device], check=True, capture_output=True)
+        subprocess.run(["swapon", st.loop_device], check=True)  # attached() expects swap on
+
+    rows["zram lz4 (O_DIRECT)"] = zram_row(data, offs)
+    return {"rows": rows, "plugin_latency": inside}
+
+
+def zram_row(data: bytes, offs: list[int]) -> dict:
+    sysdir = "/sys/block/zram0"
+    if not os.path.exists(sysdir):
+        return {}
+    with open(f"{sysdir}/disksize") as f:
+        if int(f.read()) != 0:
+            return {"error": "zram0 in use"}
+    try:
+        with open(f"{sysdir}/comp_algorithm", "w") as f:
+            f.write("lz4")
+        with open(f"{sysdir}/disksize", "w") as f:
+            f.write(str(256 << 20))
+        fd = os.open("/dev/zram0", os.O_WRONLY)
+        os.write(fd, data)
+        os.close(fd)
+        fd, call = direct_reader("/dev/zram0")
+        row = time_calls(call, offs)
+        os.close(fd)
+        return row
+    finally:
+        with open(f"{sysdir}/reset", "w") as f:
+            f.write("1")
+
+
+def render(result: dict) -> str:
+    rows = result["rows"]
+    lines = [
+        "## Where a 4 KiB read's time goes",
+        "",
+        f"Command: `flock /tmp/agentzip-swap.lock .venv/bin/python tools/bench_latency.py`  ",
+        f"Machine: Linux {platform.release()}, {os.cpu_count()} cores; {result['date']}",
+        "",
+        f"{READS} random 4 KiB reads of 64 MiB of agent-like pages (zstd 3, no dictionary), "
+        "one at a time, each layer measured on its own; a layer's cost is its row minus the "
+        "row above it. The loop row is what a swap-in fault pays for one page.",
+        "",
+        "| layer | p50 us | p99 us | p99.9 us | mean us |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, r in rows.items():
+        if "p50_us" in r:
+            lines.append(f"| {name} | {r['p50_us']} | {r['p99_us']} | {r['p999_us']} | {r['mean_us']} |")
+    loop = rows.get("+ loop device (O_DIRECT): the swap-in path", {})
+    zram = rows.get("zram lz4 (O_DIRECT)", {})
+    if loop.get("p99_us") and zram.get("p99_us"):
+        lines += ["", f"p99 through our whole chain is {loop['p99_us'] / zram['p99_us']:.0f}x "
+                  f"zram's ({loop['p99_us']} vs {zram['p99_us']} us); the issue's target is 100 us."]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    if os.geteuid() != 0:
+        print("bench_latency: needs root", file=sys.stderr)
+        return 2
+    result = run()
+    result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    out = ROOT / "results" / "bench_latency.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    section = render(result)
+    write_section(ROOT / "BENCHMARKS.md", "bench_latency", section)
+    print(section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
