@@ -550,10 +550,15 @@ class PageStore:
     # -- tiers -----------------------------------------------------------------------
 
     def _promote(self, blob: int, data: bytes) -> None:
-        """Bring a disk blob back to the pool while the pool is below its threshold."""
+        """Bring a disk blob back to the pool while the pool is below the demotion target.
+
+        Not up to the reclaim threshold: between the target and the threshold promotions
+        would refill what the last demotion round emptied, and the two would chase each
+        other (measured under load: 940k demotions against 795k promotions in 4 minutes).
+        """
         blobs = self.blobs
         length = int(blobs.length[blob])
-        if self.pool.allocated_bytes + self.pool.arena_size_of(length) > self.reclaim_bytes:
+        if self.pool.allocated_bytes + self.pool.arena_size_of(length) > self.reclaim_target:
             return
         try:
             arena, cell = self.pool.alloc(length)
@@ -564,21 +569,11 @@ class PageStore:
         blobs.arena[blob], blobs.cell[blob], blobs.tier[blob] = arena, cell, POOL
         self.counters.promotions += 1
 
-    def _demote(self, blob: int) -> bool:
-        """Move one pool blob to disk; False when the disk cannot take it."""
-        blobs = self.blobs
-        data = self._stored_bytes(blob)
-        try:
-            offset = self._disk_put(data, "demotion")
-        except (StoreFull, DiskError):
-            return False
-        self.pool.free(int(blobs.arena[blob]), int(blobs.cell[blob]))
-        blobs.arena[blob], blobs.tier[blob], blobs.disk_off[blob] = -1, DISK, offset
-        self.counters.demotions += 1
-        return True
-
     def demote_cold(self, limit: int = _DEMOTE_CHUNK) -> int:
-        """Demote up to `limit` of the oldest cold pool blobs to disk; returns blobs moved."""
+        """Demote up to `limit` of the oldest cold pool blobs to disk; returns blobs moved.
+
+        Copies are written and synced first; only then are the pool cells freed and the blobs
+        switched to disk, so a failing disk leaves every page in the pool."""
         if self.disk is None:
             return 0
         with self._lock:
@@ -593,16 +588,24 @@ class PageStore:
             if not len(candidates):
                 return 0
             oldest = candidates[np.argsort(blobs.atime[candidates], kind="stable")][:limit]
-            moved = 0
+            copies: list[tuple[int, int]] = []
+            for blob in oldest.tolist():
+                try:
+                    copies.append((blob, self._disk_put(self._stored_bytes(blob), "demotion")))
+                except (StoreFull, DiskError):
+                    break
             try:
-                for blob in oldest.tolist():
-                    if not self._demote(blob):
-                        break
-                    moved += 1
-            finally:
-                if moved:
+                if copies:
                     self._drop_disk_cache()
-            return moved
+            except DiskError:
+                for blob, offset in copies:
+                    self.disk.free(offset, int(blobs.length[blob]))
+                return 0
+            for blob, offset in copies:
+                self.pool.free(int(blobs.arena[blob]), int(blobs.cell[blob]))
+                blobs.arena[blob], blobs.tier[blob], blobs.disk_off[blob] = -1, DISK, offset
+            self.counters.demotions += len(copies)
+            return len(copies)
 
     def fragmentation(self) -> float:
         allocated = self.pool.allocated_bytes

@@ -300,3 +300,41 @@ def test_rebase_keeps_order(tmp_path):
     after = store.blobs.atime[[int(store.handle[0]), int(store.handle[1])]].astype(np.int64)
     assert after[1] - after[0] == before[1] - before[0]
     assert store._now() >= after[1]
+
+
+def test_failed_writeback_during_demotion_keeps_pages_in_the_pool(tmp_path, monkeypatch):
+    from agentzip_blk.disk import DiskError, DiskTier
+
+    clock = Clock()
+    store = make_store(tmp_path, clock, max_size=1 << 20, reclaim_threshold=50)
+    for slot in range(N_PAGES):
+        store.write(text_page(slot), slot * PAGE)
+    clock.advance(60)
+
+    def failing_sync(self):
+        raise DiskError("fdatasync: Input/output error")
+
+    monkeypatch.setattr(DiskTier, "drop_cache", failing_sync)
+    assert store.maintain()["demoted"] == 0
+    assert store.stats()["tiers"]["disk"]["pages"] == 0
+    assert store.disk.live_bytes == 0  # the copies' extents were given back
+    for slot in range(N_PAGES):
+        assert store.read(slot * PAGE, PAGE) == text_page(slot)
+    store.check()
+
+
+def test_promotion_stops_at_the_demotion_target(tmp_path):
+    """Reads refill the pool only up to the hysteresis target, so maintenance does not have to
+    demote what reads just promoted (pool/disk thrash)."""
+    clock = Clock()
+    store = make_store(tmp_path, clock, max_size=1 << 20, reclaim_threshold=50)
+    for slot in range(N_PAGES):
+        store.write(text_page(slot), slot * PAGE)
+    clock.advance(60)
+    store.maintain()
+    on_disk = [s for s in range(N_PAGES) if tier_of(store, s) == DISK]
+    for slot in on_disk:
+        assert store.read(slot * PAGE, PAGE) == text_page(slot)
+    assert store.pool.allocated_bytes <= store.reclaim_target
+    clock.advance(60)
+    assert store.maintain()["demoted"] == 0
