@@ -24,6 +24,7 @@ once the workload is idle, gradually.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import queue
@@ -34,6 +35,7 @@ import tempfile
 import threading
 import time
 
+from agentzip_blk import system
 from agentzip_blk.cgroup_memory import CgroupError, LimitBusy, MemoryCgroup
 
 MiB = 1 << 20
@@ -51,28 +53,14 @@ class DemoError(RuntimeError):
 # /proc readers
 
 
-def meminfo() -> dict[str, int]:
-    out = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            k, _, v = line.partition(":")
-            parts = v.split()
-            if parts:
-                out[k] = int(parts[0]) * (1024 if len(parts) > 1 else 1)
-    return out
+meminfo = system.meminfo
+rss_of = system.process_rss
+zswap_enabled = system.zswap_enabled
 
 
 def proc_swaps() -> list[dict]:
     """Active swap areas: filename, type, size and used in bytes, priority."""
-    out = []
-    with open("/proc/swaps") as f:
-        next(f, None)
-        for line in f:
-            p = line.split()
-            if len(p) >= 5:
-                out.append({"filename": p[0].replace("\\040", " "), "type": p[1],
-                            "size": int(p[2]) * 1024, "used": int(p[3]) * 1024, "priority": int(p[4])})
-    return out
+    return [dataclasses.asdict(area) for area in system.swaps()]
 
 
 def pcp_free_bytes() -> int:
@@ -103,25 +91,6 @@ def vmstat() -> dict[str, int]:
             except ValueError:
                 pass
     return out
-
-
-def rss_of(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except (FileNotFoundError, ProcessLookupError, ValueError):
-        pass
-    return 0
-
-
-def zswap_enabled() -> bool:
-    try:
-        with open("/sys/module/zswap/parameters/enabled") as f:
-            return f.read().strip() in ("Y", "1")
-    except OSError:
-        return False
 
 
 def fmt(n: float | int | None) -> str:
