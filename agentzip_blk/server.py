@@ -111,7 +111,8 @@ class Server:
         }
 
     def _slots(self, request: dict) -> dict:
-        """Per-slot sizes for `stats --cgroup`: request {"slots": [n, ...]} (at most 1M)."""
+        """Per-slot sizes for `stats --cgroup`: request {"slots": [n, ...]}. A request line is
+        at most control.MAX_LINE (64 KiB, ~9000 slot numbers); cgstats splits larger sets."""
         slots = request.get("slots")
         if not isinstance(slots, list) or len(slots) > 1 << 20 or not all(
             isinstance(n, int) and not isinstance(n, bool) for n in slots
