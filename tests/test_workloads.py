@@ -151,10 +151,14 @@ def test_eof_before_touch_exits_2(key):
 @pytest.mark.skipif(not _chromium(), reason="chromium is not installed (apt-get install chromium)")
 def test_browser_leaves_no_process_behind():
     r = Run("C-browser")
+    work = None
     try:
         r.ready()
         tree = pagewalk.descendants(r.p.pid)
         assert len(tree) >= 3  # browser, zygote, renderer at least
+        with open(f"/proc/{tree[0]}/cmdline", "rb") as f:
+            profile = [a for a in f.read().decode().split("\0") if a.startswith("--user-data-dir=")]
+        work = os.path.dirname(profile[0].partition("=")[2])  # the workload's temp dir
         r.p.kill()  # even a SIGKILL of the driver takes Chromium down (PR_SET_PDEATHSIG)
     finally:
         r.finish()
@@ -163,6 +167,9 @@ def test_browser_leaves_no_process_behind():
         time.sleep(0.2)
     alive = [p for p in tree if os.path.exists(f"/proc/{p}")]
     assert not alive, alive
+    # a SIGKILLed driver cannot remove its temp dir (pages, profile): the test does
+    assert work and os.path.basename(work).startswith("agentzip-browser-")
+    shutil.rmtree(work)
 
 
 # ---------------------------------------------------------------------------------------
