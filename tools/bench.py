@@ -50,7 +50,7 @@ for _p in (REPO, WORKLOADS_DIR, os.path.dirname(os.path.abspath(__file__))):
 
 import bench_report  # noqa: E402
 import pagewalk  # noqa: E402
-from agentzip_blk import demo  # noqa: E402
+from agentzip_blk import demo, system  # noqa: E402
 from agentzip_blk.cgroup_memory import CgroupError, MemoryCgroup  # noqa: E402
 
 MiB = 1 << 20
@@ -498,7 +498,7 @@ def _version(argv: list[str]) -> str | None:
 
 
 def machine() -> dict:
-    mi = demo.meminfo()
+    mi = system.meminfo()
     cpu = None
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
         cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
@@ -510,7 +510,7 @@ def machine() -> dict:
             "mem_total": mi.get("MemTotal"), "python": platform.python_version(), "pandas": pandas,
             "node": _version(["node", "--version"]),
             "chromium": _version([find_chromium() or "chromium", "--version"]),
-            "nbdkit": _version(["nbdkit", "--version"]), "zswap": demo.zswap_enabled(),
+            "nbdkit": _version(["nbdkit", "--version"]), "zswap": system.zswap_enabled(),
             "page_cluster": page_cluster,
             "cgroup": _safe(lambda: MemoryCgroup.own().version)}
 
