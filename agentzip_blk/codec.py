@@ -49,6 +49,19 @@ class Codec:
         return 0
 
 
+def _page_params(level: int, page_size: int) -> zstandard.ZstdCompressionParameters:
+    """Magicless frames without content size, checksum or dict id: the store knows all of
+    that already, and on a ~1 KiB compressed page those 8-12 bytes are ~1% of the ratio."""
+    return zstandard.ZstdCompressionParameters.from_level(
+        level,
+        source_size=page_size,
+        format=zstandard.FORMAT_ZSTD1_MAGICLESS,
+        write_content_size=False,
+        write_checksum=False,
+        write_dict_id=False,
+    )
+
+
 class ZstdCodec(Codec):
     id = ZSTD
     name = "zstd"
@@ -58,16 +71,7 @@ class ZstdCodec(Codec):
         if not 1 <= level <= 19:
             raise ValueError(f"zstd level {level} out of range 1-19")
         self.level = level
-        # Magicless frames without content size, checksum or dict id: the store knows all
-        # of that already, and on a ~1 KiB compressed page those 8-12 bytes are ~1% ratio.
-        params = zstandard.ZstdCompressionParameters.from_level(
-            level,
-            source_size=page_size,
-            format=zstandard.FORMAT_ZSTD1_MAGICLESS,
-            write_content_size=False,
-            write_checksum=False,
-            write_dict_id=False,
-        )
+        params = _page_params(level, page_size)
         self._cctx = zstandard.ZstdCompressor(compression_params=params)
         self._dctx = zstandard.ZstdDecompressor(format=zstandard.FORMAT_ZSTD1_MAGICLESS)
 
@@ -100,14 +104,7 @@ class ZstdDictCodec(ZstdCodec):
     def __init__(self, content: bytes, level: int = 3, page_size: int = 4096) -> None:
         super().__init__(level, page_size)
         self.content = bytes(content)
-        params = zstandard.ZstdCompressionParameters.from_level(
-            level,
-            source_size=page_size,
-            format=zstandard.FORMAT_ZSTD1_MAGICLESS,
-            write_content_size=False,
-            write_checksum=False,
-            write_dict_id=False,
-        )
+        params = _page_params(level, page_size)
         cdict = zstandard.ZstdCompressionDict(self.content, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
         cdict.precompute_compress(compression_params=params)
         self._cctx = zstandard.ZstdCompressor(dict_data=cdict, compression_params=params)

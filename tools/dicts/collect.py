@@ -39,6 +39,9 @@ sys.path.insert(0, HERE)
 from agentzip_blk import procmem  # noqa: E402
 from pages import write_pages  # noqa: E402
 
+sys.path.insert(0, os.path.join(ROOT, "tools", "workloads"))
+from pagewalk import descendants  # noqa: E402
+
 PROG = os.path.join(HERE, "programs")
 VENV_PY = os.path.join(ROOT, ".venv", "bin", "python")
 PY312 = os.path.expanduser("~/.pyenv/versions/3.12.1/bin/python3.12")
@@ -98,25 +101,6 @@ def runs(mb: float) -> list[dict]:
             dict(runtime="python312", role="heldout", program="agent_json", seed=7, workload="tool calling",
                  cmd=[PY312, AGENT_JSON, "--mb", m, "--seed", "7"]),
         ]
-    return out
-
-
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, []))
     return out
 
 
