@@ -769,7 +769,6 @@ def summary(res: dict) -> str:
                  f"({res.get('swap_in_mib_s') or 0:.0f} MiB/s); VERIFY {res.get('verify', '-')}")
     lines.append(f"  device     orig {fmt(res.get('orig_mem'))}  stored {fmt(res.get('stored_mem'))}  "
                  f"ratio {ratio:.2f}x" if ratio else "  device     no pages stored")
-    b, a = res.get("before", {}), res.get("after", {})
     gain = res.get("mem_free_gain", 0)
     raw = res.get("mem_free_raw_gain", 0)
     lines.append(f"  host       free memory {'+' if gain >= 0 else ''}{fmt(gain)} "

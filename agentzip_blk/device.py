@@ -313,15 +313,7 @@ def _loop_is_ours(state: RunState) -> bool:
         backing == state.fuse_file
 
 
-def _locked_bytes(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("VmLck:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
+_locked_bytes = system.process_locked
 
 
 def _build_mlock_shim(run_dir: str) -> str | None:

@@ -47,23 +47,6 @@ def set_io_flusher() -> str | None:
     return None
 
 
-def locked_bytes(pid: int | str = "self") -> int:
-    """VmLck of a process, in bytes."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmLck:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def rss_bytes(pid: int | str = "self") -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 

@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from . import dictionaries, latency, protect
+from . import dictionaries, latency, protect, system
 from .config import Config, load_config
 from .control import ControlServer
 from .maintenance import Maintainer
@@ -135,8 +135,8 @@ class Server:
         stats["latency"] = self.latency.snapshot()
         stats["server"] = {
             "pid": os.getpid(),
-            "rss_bytes": protect.rss_bytes(),
-            "locked_bytes": protect.locked_bytes(),
+            "rss_bytes": system.process_rss(os.getpid()),
+            "locked_bytes": system.process_locked(os.getpid()),
             "uptime_s": round(time.time() - self.started, 1),
             "memory_locked": self.protection.memory_locked is None,
             "oom_score_lowered": self.protection.oom_score is None,

@@ -323,12 +323,13 @@ class PageStore:
         staged: list[int] = []
         disk_before = self.disk.writes if self.disk else 0
         todo = np.flatnonzero(~same).tolist()
+        pages = [data[i * page : (i + 1) * page] for i in todo]
         # One encoder (dictionary or none) for the whole request, from a sample page of it.
         self.dicts.maybe_collect(self.blobs)
-        choice = self.dicts.choose([data[i * page : (i + 1) * page] for i in todo])
+        choice = self.dicts.choose(pages)
         try:
             for n, i in enumerate(todo):
-                blob = self._intern(data[i * page : (i + 1) * page], now, choice,
+                blob = self._intern(pages[n], now, choice,
                                     choice.sample_out if n == choice.sample else None)
                 staged.append(blob)
                 new_handle[i] = blob

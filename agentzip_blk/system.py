@@ -181,17 +181,22 @@ def _proc_status(pid: int) -> dict[str, str]:
     return out
 
 
+def _status_bytes(pid: int, key: str) -> int:
+    try:
+        value = _proc_status(pid).get(key, "0 kB").split()
+        return int(value[0]) * 1024
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def process_rss(pid: int) -> int:
     """Resident set size of ``pid`` in bytes (0 when the process is gone)."""
-    try:
-        st = _proc_status(pid)
-    except OSError:
-        return 0
-    value = st.get("VmRSS", "0 kB").split()
-    try:
-        return int(value[0]) * 1024
-    except (IndexError, ValueError):
-        return 0
+    return _status_bytes(pid, "VmRSS")
+
+
+def process_locked(pid: int) -> int:
+    """Locked memory (VmLck) of ``pid`` in bytes (0 when the process is gone)."""
+    return _status_bytes(pid, "VmLck")
 
 
 def process_cmdline(pid: int) -> list[str]:

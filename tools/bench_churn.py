@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from agentzip_blk.store import PageStore, Tiering  # noqa: E402
+from benchmd import write_section  # noqa: E402
 
 PAGE = 4096
 SANDBOXES = 4
@@ -140,17 +141,6 @@ def render(result: dict) -> str:
         "and unmaps them whenever fragmentation passes 20% (so it can sit just under 20%).",
     ]
     return "\n".join(lines)
-
-
-def write_section(path: Path, name: str, body: str) -> None:
-    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    block = f"{begin}\n{body}\n{end}"
-    if begin in text and end in text:
-        text = text[: text.index(begin)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    path.write_text(text)
 
 
 def main() -> int:

@@ -37,6 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from agentzip_blk.codec import Lz4Codec, Lz4HcCodec, ZstdCodec  # noqa: E402
+from benchmd import write_section  # noqa: E402
 from agentzip_blk.dictionaries import (  # noqa: E402
     DictionaryRegistry,
     HostTrainer,
@@ -45,7 +46,6 @@ from agentzip_blk.dictionaries import (  # noqa: E402
 )
 
 PAGE = 4096
-BEGIN, END = "<!-- bench_codecs:begin -->", "<!-- bench_codecs:end -->"
 WORKLOAD_ORDER = ["Python data analysis", "tool calling", "headless browser", "Node.js text"]
 
 
@@ -195,18 +195,6 @@ def table(data: dict, command: str) -> str:
     return "\n".join(lines)
 
 
-def write_markdown(path: str, text: str) -> None:
-    old = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    block = f"{BEGIN}\n{text}\n{END}"
-    if BEGIN in old and END in old:
-        head, rest = old.split(BEGIN, 1)
-        new = head + block + rest.split(END, 1)[1]
-    else:
-        new = old.rstrip("\n") + "\n\n" + block + "\n"
-    with open(path, "w") as f:
-        f.write(new)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--corpus", default="/var/tmp/agentzip-corpus")
@@ -221,7 +209,7 @@ def main() -> int:
         json.dump(data, f, indent=1)
     cmd = ".venv/bin/python tools/bench_codecs.py" + (
         f" --corpus {a.corpus}" if a.corpus != "/var/tmp/agentzip-corpus" else "")
-    write_markdown(a.markdown, table(data, cmd))
+    write_section(a.markdown, "bench_codecs", table(data, cmd))
     return 0
 
 

@@ -31,6 +31,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from agentzip_blk import demo  # noqa: E402
+from benchmd import replace_block  # noqa: E402
 
 BEGIN = "<!-- bench_demo:begin -->"
 END = "<!-- bench_demo:end -->"
@@ -211,27 +212,6 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: str, section: str, begin: str = BEGIN, end: str = END) -> None:
-    """Replace the text between the *begin* and *end* markers of *path* (append if absent)."""
-    try:
-        with open(path) as f:
-            text = f.read()
-    except FileNotFoundError:
-        text = "# Benchmarks\n\nGenerated sections are rewritten by the tools named in them.\n\n"
-    if begin in text and end in text and text.index(begin) < text.index(end):
-        a = text.index(begin)
-        b = text.index(end) + len(end)
-        if text[b:b + 1] == "\n":
-            b += 1
-        text = text[:a] + section + text[b:]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def _remove_run_dir(path: str) -> None:
     """Remove our temp run directory (state, logs), never while anything is mounted in it."""
     import shutil
@@ -269,7 +249,7 @@ def main(argv=None) -> int:
             doc = json.load(f)
         section = markdown(doc)
         if not a.no_md:
-            write_section(a.md, section)
+            replace_block(a.md, section, BEGIN, END)
         print(section)
         return 0
 
@@ -318,7 +298,7 @@ def main(argv=None) -> int:
         f.write("\n")
     section = markdown(doc)
     if not a.no_md:
-        write_section(a.md, section)
+        replace_block(a.md, section, BEGIN, END)
     print(section)
     print(f"wrote {a.out}" + ("" if a.no_md else f" and {a.md}"), file=sys.stderr)
     return 0 if all(r["ok_runs"] == r["runs"] for r in rows.values()) else 1

@@ -41,7 +41,7 @@ import numpy as np  # noqa: E402
 from agentzip_blk import device  # noqa: E402
 from agentzip_blk.config import Config  # noqa: E402
 from agentzip_blk.store import PageStore  # noqa: E402
-from tools.bench_churn import write_section  # noqa: E402
+from benchmd import write_section  # noqa: E402
 
 PAGE = 4096
 DATA = 64 << 20

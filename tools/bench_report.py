@@ -13,7 +13,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from bench_demo import _f, _m, _x, write_section  # noqa: E402  (the same formatting as the demo bench)
+from bench_demo import _f, _m, _x  # noqa: E402  (the same formatting as the demo bench)
+from benchmd import replace_block  # noqa: E402
 
 BEGIN = "<!-- bench:begin -->"
 END = "<!-- bench:end -->"
@@ -287,7 +288,7 @@ def chart(doc: dict, path: str) -> None:
 def publish(doc: dict, md_path: str | None, chart_path: str | None) -> str:
     section = markdown(doc)
     if md_path:
-        write_section(md_path, section, BEGIN, END)
+        replace_block(md_path, section, BEGIN, END)
     if chart_path:
         chart(doc, chart_path)
     print(section)

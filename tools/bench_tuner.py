@@ -44,6 +44,8 @@ import threading
 import time
 from collections import deque
 
+from benchmd import write_section
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKLOADS = os.path.join(ROOT, "tools", "workloads")
 BEGIN, END = "<!-- bench_tuner:begin -->", "<!-- bench_tuner:end -->"
@@ -312,20 +314,6 @@ def markdown(r: dict, a, cmd: str) -> str:
     return "\n".join(out)
 
 
-def write_section(path: str, text: str) -> None:
-    body = f"{BEGIN}\n{text}\n{END}"
-    try:
-        old = open(path).read()
-    except FileNotFoundError:
-        old = "# Benchmarks\n"
-    if BEGIN in old and END in old:
-        new = old[: old.index(BEGIN)] + body + old[old.index(END) + len(END):]
-    else:
-        new = old.rstrip("\n") + "\n\n" + body + "\n"
-    with open(path, "w") as f:
-        f.write(new)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", action="store_true", help=argparse.SUPPRESS)
@@ -379,7 +367,7 @@ def main() -> int:
         os.makedirs(os.path.dirname(a.json), exist_ok=True)
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
-        write_section(a.markdown, text)
+        write_section(a.markdown, "bench_tuner", text)
     return 0
 
 

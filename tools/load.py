@@ -36,6 +36,8 @@ import threading
 import time
 import zlib
 
+from benchmd import replace_block
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN, END = "<!-- load:begin -->", "<!-- load:end -->"
 SWAP_LOCK = "/tmp/agentzip-swap.lock"
@@ -409,18 +411,6 @@ def markdown(res: dict, argv: list[str]) -> str:
     return "\n".join(lines)
 
 
-def write_md(path: str, section: str) -> None:
-    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        tail = rest.split(END, 1)[1]
-        text = head + section + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    with open(path, "w") as f:
-        f.write(text)
-
-
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -455,7 +445,7 @@ def main(argv=None) -> int:
         json.dump(res, f, indent=1)
     section = markdown(res, argv)
     if not args.no_md:
-        write_md(args.md, section)
+        replace_block(args.md, section, BEGIN, END)
     print(section)
     return 0 if res["ok"] else 1
 
