@@ -1,7 +1,10 @@
-"""The blob table: one row per distinct stored page, shared by every slot that holds it.
+"""The blob table: one row per stored blob (a page, or a unit of several pages compressed
+together), shared by every slot that holds one of its pages.
 
 Columns are numpy arrays indexed by blob id (no Python object per blob). Free rows form an
-intrusive list through the `arena` column, so freed ids cost nothing to remember.
+intrusive list through the `arena` column, so freed ids cost nothing to remember. With
+multi-page units, `members` holds the dedup key of each page of a unit (a row of
+`unit_pages` keys per blob), so the index entries of its pages can be removed with it.
 """
 
 from __future__ import annotations
@@ -17,10 +20,11 @@ _COLUMNS = {
     "tier": np.uint8,  # POOL or DISK
     "disk_off": np.uint64,  # offset in the disk tier file while on DISK
     "length": np.uint16,  # stored bytes (compressed, or a whole page when raw)
+    "pages": np.uint8,  # pages in the blob: 1, or a multi-page unit's count
     "codec": np.uint8,  # codec id (agentzip_blk.codec)
     "dict_id": np.uint8,  # zstd dictionary id (agentzip_blk.dictionaries), 0 = none
     "ref": np.uint32,  # slots pointing at this blob; 0 = free row
-    "hash_lo": np.uint64,  # 128-bit content hash, low and high halves
+    "hash_lo": np.uint64,  # 128-bit content hash of a one-page blob, low and high halves
     "hash_hi": np.uint64,
     "atime": np.uint32,  # last access (read or write), in store ticks; 0 = never
     "rtime": np.uint32,  # last read, for the hot test (two reads within hot_threshold_ms)
@@ -29,10 +33,12 @@ ROW_BYTES = sum(np.dtype(t).itemsize for t in _COLUMNS.values())
 
 
 class BlobTable:
-    def __init__(self, capacity: int = 1024) -> None:
+    def __init__(self, capacity: int = 1024, unit_pages: int = 1) -> None:
         self.capacity = 0
+        self.unit_pages = unit_pages
         for name, dtype in _COLUMNS.items():
             setattr(self, name, np.zeros(0, dtype=dtype))
+        self.members = np.zeros((0, unit_pages if unit_pages > 1 else 0), dtype=np.uint64)
         self._grow(capacity)
         self._free_head = -1
         self._next_unused = 0
@@ -40,17 +46,18 @@ class BlobTable:
 
     @property
     def nbytes(self) -> int:
-        return self.capacity * ROW_BYTES
+        return self.capacity * ROW_BYTES + self.members.nbytes
 
     def arrays(self) -> list[np.ndarray]:
-        return [getattr(self, name) for name in _COLUMNS]
+        return [getattr(self, name) for name in _COLUMNS] + [self.members]
 
     def live(self) -> np.ndarray:
         """Mask over all rows of the ones in use."""
         return self.ref > 0
 
     def new(
-        self, arena: int, cell: int, length: int, codec: int, lo: int, hi: int, dict_id: int = 0
+        self, arena: int, cell: int, length: int, codec: int, lo: int, hi: int, dict_id: int = 0,
+        pages: int = 1,
     ) -> int:
         """A row with refcount 1, in the pool tier."""
         if self._free_head >= 0:
@@ -64,6 +71,7 @@ class BlobTable:
         self.arena[blob] = arena
         self.cell[blob] = cell
         self.length[blob] = length
+        self.pages[blob] = pages
         self.codec[blob] = codec
         self.dict_id[blob] = dict_id
         self.ref[blob] = 1
@@ -88,4 +96,7 @@ class BlobTable:
             new = np.zeros(capacity, dtype=old.dtype)
             new[: len(old)] = old
             setattr(self, name, new)
+        members = np.zeros((capacity, self.members.shape[1]), dtype=np.uint64)
+        members[: len(self.members)] = self.members
+        self.members = members
         self.capacity = capacity

@@ -39,9 +39,12 @@ class Codec:
     def compress(self, page) -> bytes:
         return bytes(page)
 
-    def decompress(self, data) -> bytes:
-        if len(data) != self.page_size:
-            raise CodecError(f"raw blob of {len(data)} bytes, expected {self.page_size}")
+    def decompress(self, data, size: int | None = None) -> bytes:
+        """`size`: the decoded length the store expects (a page, or a multi-page unit up to
+        the codec's frame size); anything else is corruption."""
+        size = size or self.page_size
+        if len(data) != size:
+            raise CodecError(f"raw blob of {len(data)} bytes, expected {size}")
         return bytes(data)
 
     def memory_bytes(self) -> int:
@@ -78,13 +81,14 @@ class ZstdCodec(Codec):
     def compress(self, page) -> bytes:
         return self._cctx.compress(page)
 
-    def decompress(self, data) -> bytes:
+    def decompress(self, data, size: int | None = None) -> bytes:
+        size = size or self.page_size
         try:
-            out = self._dctx.decompress(data, max_output_size=self.page_size)
+            out = self._dctx.decompress(data, max_output_size=size)
         except zstandard.ZstdError as exc:
             raise CodecError(f"zstd: {exc}") from exc
-        if len(out) != self.page_size:
-            raise CodecError(f"zstd blob decoded to {len(out)} bytes, expected {self.page_size}")
+        if len(out) != size:
+            raise CodecError(f"zstd blob decoded to {len(out)} bytes, expected {size}")
         return out
 
     def memory_bytes(self) -> int:
@@ -131,13 +135,14 @@ class Lz4Codec(Codec):
     def compress(self, page) -> bytes:
         return lz4.block.compress(page, mode="fast", acceleration=self.acceleration, store_size=False)
 
-    def decompress(self, data) -> bytes:
+    def decompress(self, data, size: int | None = None) -> bytes:
+        size = size or self.page_size
         try:
-            out = lz4.block.decompress(data, uncompressed_size=self.page_size)
+            out = lz4.block.decompress(data, uncompressed_size=size)
         except lz4.block.LZ4BlockError as exc:
             raise CodecError(f"lz4: {exc}") from exc
-        if len(out) != self.page_size:
-            raise CodecError(f"lz4 blob decoded to {len(out)} bytes, expected {self.page_size}")
+        if len(out) != size:
+            raise CodecError(f"lz4 blob decoded to {len(out)} bytes, expected {size}")
         return out
 
     def memory_bytes(self) -> int:
@@ -194,16 +199,16 @@ class CodecSet:
         }
         self._decoders[LZ4HC] = writer if writer.id == LZ4HC else self._decoders[LZ4]
 
-    def decompress(self, codec_id: int, data, dict_id: int = 0) -> bytes:
+    def decompress(self, codec_id: int, data, dict_id: int = 0, size: int | None = None) -> bytes:
         if dict_id:
             if codec_id != ZSTD or self.dictionaries is None:
                 raise CodecError(f"codec id {codec_id} with dictionary id {dict_id}")
-            return self.dictionaries.decoder(dict_id).decompress(data)
+            return self.dictionaries.decoder(dict_id).decompress(data, size)
         try:
             decoder = self._decoders[codec_id]
         except KeyError:
             raise CodecError(f"unknown codec id {codec_id}") from None
-        return decoder.decompress(data)
+        return decoder.decompress(data, size)
 
     def memory_bytes(self) -> int:
         seen: set[int] = set()

@@ -32,6 +32,7 @@ LEVEL_RANGES: dict[str, tuple[int, int]] = {"zstd": (1, 19), "lz4": (0, 16), "lz
 DICTIONARY_MODES = ("auto", "prebuilt", "none")
 # The store, the codec framing and swap itself all work in 4 KiB pages; nothing else is supported.
 SUPPORTED_PAGE_SIZE = 4096
+MAX_UNIT_PAGES = 16
 MIN_SIZE = 1 << 20  # 1 MiB: anything smaller cannot hold a useful amount of swap
 SWAP_PRIORITY_RANGE = (-1, 32767)  # swapon(8): -1 = kernel default, 0..32767 explicit
 
@@ -51,6 +52,8 @@ class CompressionConfig:
     level: int = 3
     dictionary: str | list[str] = "auto"  # "auto" | "prebuilt" | "none" | list of names
     page_size: int = SUPPORTED_PAGE_SIZE
+    # pages compressed together (adjacent new pages of one write request); 1 = each alone
+    unit_pages: int = 1
 
 
 @dataclass
@@ -224,7 +227,9 @@ def _parse_compression(value: Any) -> CompressionConfig:
         supported = False
     if not supported:
         raise ConfigError(f"compression.page_size: {page_size!r} is not supported (only 4096)")
-    return CompressionConfig(algorithm, level, dictionary, SUPPORTED_PAGE_SIZE)
+    unit_pages = _int(data.get("unit_pages", d.unit_pages), "compression.unit_pages", 1,
+                      MAX_UNIT_PAGES, f"1-{MAX_UNIT_PAGES} pages")
+    return CompressionConfig(algorithm, level, dictionary, SUPPORTED_PAGE_SIZE, unit_pages)
 
 
 def _parse_pool(value: Any) -> PoolConfig:

@@ -1,7 +1,10 @@
-"""A bounded LRU of uncompressed copies of hot pages, keyed by blob id.
+"""A bounded LRU of uncompressed copies of blobs, keyed by blob id.
 
-Only pages read twice within `policy.hot_threshold_ms` get in, so a one-pass swap-in does
-not churn it. Bounded by bytes; each entry's Python overhead is counted with it.
+Two uses: hot pages (only pages read twice within `policy.hot_threshold_ms` get in, so a
+one-pass swap-in does not churn it), and the last few decompressed multi-page units (a
+swap-in reads a unit's pages one request after another; without the copy every page would
+decompress the whole unit again). Bounded by bytes; each entry's Python overhead is
+counted with it.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ ENTRY_OVERHEAD = 160  # bytes object header + OrderedDict node + key int
 
 class HotCache:
     def __init__(self, capacity_bytes: int, page_size: int = 4096) -> None:
-        self.max_entries = capacity_bytes // (page_size + ENTRY_OVERHEAD)
+        self.capacity_bytes = capacity_bytes
         self.page_size = page_size
         self._entries: OrderedDict[int, bytes] = OrderedDict()
+        self._bytes = 0  # held, entry overheads included
         self.hits = 0
         self.inserts = 0
 
@@ -27,16 +31,21 @@ class HotCache:
         return data
 
     def put(self, blob: int, data: bytes) -> None:
-        if self.max_entries <= 0:
+        cost = len(data) + ENTRY_OVERHEAD
+        if cost > self.capacity_bytes:
             return
+        self.discard(blob)
         self._entries[blob] = data
-        self._entries.move_to_end(blob)
+        self._bytes += cost
         self.inserts += 1
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        while self._bytes > self.capacity_bytes:
+            _, old = self._entries.popitem(last=False)
+            self._bytes -= len(old) + ENTRY_OVERHEAD
 
     def discard(self, blob: int) -> None:
-        self._entries.pop(blob, None)
+        data = self._entries.pop(blob, None)
+        if data is not None:
+            self._bytes -= len(data) + ENTRY_OVERHEAD
 
     def __contains__(self, blob: int) -> bool:
         return blob in self._entries
@@ -49,4 +58,4 @@ class HotCache:
 
     @property
     def nbytes(self) -> int:
-        return len(self._entries) * (self.page_size + ENTRY_OVERHEAD)
+        return self._bytes

@@ -1,6 +1,7 @@
 """A zsmalloc-like pool: size classes, cells carved from fixed-size mmap arenas.
 
-Each size class (32-byte steps up to 3072 bytes, plus whole pages for raw blobs) owns
+Each size class (32-byte steps up to 3072 bytes, plus whole pages for raw blobs, plus
+coarser classes for multi-page units when the store makes them) owns
 arenas of one fixed size, chosen per class so that cells tile the arena with little tail
 waste. A cell is addressed by (arena id, cell index). Free cells of an arena form an
 intrusive list threaded through the free cells themselves (the first 4 bytes hold the
@@ -13,6 +14,7 @@ per arena is its mmap.
 
 from __future__ import annotations
 
+import bisect
 import mmap
 from dataclasses import dataclass
 
@@ -24,20 +26,38 @@ MAX_COMPRESSED = 3072  # above this a page is stored raw (DESIGN: > ~3/4 page)
 _MIN_ARENA_PAGES = 4
 _MAX_ARENA_PAGES = 16
 _NO_CELL = 0xFFFFFFFF
+LARGE_CLASS_GROWTH = 32  # classes above MAX_COMPRESSED grow by 1/32
 
 
 class PoolFull(Exception):
     """Allocating one more arena would take the pool past its cap."""
 
 
-def _class_sizes(page_size: int) -> list[int]:
-    return list(range(CLASS_STEP, MAX_COMPRESSED + 1, CLASS_STEP)) + [page_size]
+def _class_sizes(page_size: int, max_blob: int) -> list[int]:
+    """32-byte classes up to MAX_COMPRESSED, then a whole page (raw pages); with multi-page
+    units (`max_blob` > a page) also classes up to `max_blob`, each ~1/32 above the last:
+    at most ~3% rounding on a unit, and few enough classes that their partly filled
+    arenas stay small."""
+    sizes = list(range(CLASS_STEP, MAX_COMPRESSED + 1, CLASS_STEP))
+    if max_blob <= page_size:
+        return sizes + [page_size]
+    large = {page_size}
+    size = MAX_COMPRESSED
+    while size < max_blob:
+        size = min(max_blob, -(-(size + size // LARGE_CLASS_GROWTH) // CLASS_STEP) * CLASS_STEP)
+        large.add(size)
+    return sizes + sorted(large)
 
 
 def _arena_size(cell_size: int) -> int:
-    """The arena size (4-16 pages) whose tail waste is the smallest fraction."""
+    """The arena size whose tail waste is the smallest fraction: 4-16 pages, or for cells
+    above a page 2-8 cells' worth (every arena holds at least two cells, and larger arenas
+    keep the number of mappings well below vm.max_map_count)."""
+    lo, hi = _MIN_ARENA_PAGES, _MAX_ARENA_PAGES
+    if cell_size > PAGE:
+        lo, hi = -(-2 * cell_size // PAGE), max(_MAX_ARENA_PAGES, 8 * cell_size // PAGE)
     best = (1.0, 0)
-    for pages in range(_MIN_ARENA_PAGES, _MAX_ARENA_PAGES + 1):
+    for pages in range(lo, hi + 1):
         size = pages * PAGE
         waste = (size % cell_size) / size
         if waste < best[0] - 1e-9:
@@ -54,13 +74,16 @@ class SizeClass:
 
 
 class Pool:
-    def __init__(self, max_size: int, page_size: int = PAGE) -> None:
+    def __init__(self, max_size: int, page_size: int = PAGE, max_blob: int = PAGE) -> None:
         self.max_size = max_size
         self.page_size = page_size
+        self.max_blob = max(max_blob, page_size)
         self.classes: list[SizeClass] = []
-        for i, size in enumerate(_class_sizes(page_size)):
+        for i, size in enumerate(_class_sizes(page_size, self.max_blob)):
             arena = _arena_size(size)
             self.classes.append(SizeClass(i, size, arena, arena // size))
+        self._large_sizes = [c.cell_size for c in self.classes if c.cell_size > MAX_COMPRESSED]
+        self._first_large = len(self.classes) - len(self._large_sizes)
         # Per class: arena ids with at least one free cell. A dict is an ordered set with
         # O(1) removal; allocation takes the most recently added arena (LIFO, cache-warm).
         self._partial: list[dict[int, None]] = [{} for _ in self.classes]
@@ -79,10 +102,10 @@ class Pool:
     # -- classes ---------------------------------------------------------------------
 
     def class_for(self, length: int) -> SizeClass:
-        if length <= 0 or length > self.page_size:
-            raise ValueError(f"blob length {length} outside 1..{self.page_size}")
+        if length <= 0 or length > self.max_blob:
+            raise ValueError(f"blob length {length} outside 1..{self.max_blob}")
         if length > MAX_COMPRESSED:
-            return self.classes[-1]
+            return self.classes[self._first_large + bisect.bisect_left(self._large_sizes, length)]
         return self.classes[(length - 1) // CLASS_STEP]
 
     # -- allocation ------------------------------------------------------------------

@@ -8,9 +8,16 @@ cap, straight in the disk tier). All new blobs are staged first; only when every
 the request has a home are the slots switched over and the old blobs released, so a full
 store or a codec failure leaves the device exactly as it was.
 
-The slot table is preallocated numpy arrays (kind, handle, last read): 13 bytes per slot
-and no Python object per page. `handle` is the blob id, or the repeated 64-bit word of a
-same-filled page (zram's trick).
+The slot table is preallocated numpy arrays (kind, handle, page in unit, last read): 14
+bytes per slot and no Python object per page. `handle` is the blob id, or the repeated
+64-bit word of a same-filled page (zram's trick).
+
+Multi-page units (`compression.unit_pages` > 1): the pages of a request that are neither
+same-filled nor duplicates are compressed together, `unit_pages` at a time, into one blob;
+each slot names the blob and its page in it. The unit lives while any slot holds one of its
+pages: an overwrite or trim of one page drops that slot's reference and leaves the others
+readable. A read decompresses the whole unit once and keeps the copy in a small cache, since
+the kernel reads the neighbouring pages right after (swap readahead, the next fault).
 
 Tiers: blobs live in the pool (memory) or the disk tier. Each blob carries its last access
 and last read tick; the maintenance worker (`maintain`) demotes the coldest to disk when
@@ -31,6 +38,7 @@ import xxhash
 from . import codec as codecs
 from .blobs import DISK, POOL, BlobTable
 from .codec import CodecError, CodecSet, make_codec
+from .config import MAX_UNIT_PAGES
 from .dedup import DedupIndex, index_key
 from .dictionaries import Choice, StoreDictionaries
 from .disk import DiskError, DiskFull, DiskTier
@@ -49,6 +57,8 @@ FRAGMENTATION_TRIGGER = 0.20  # compact when this share of arena bytes holds no 
 _MIN_COMPACT_BYTES = 1 << 20
 _DEMOTE_CHUNK = 512
 _FEW_PAGES = 8  # requests up to this many pages take the scalar read path  # blobs moved per lock hold, so requests wait at most one chunk
+_SUB_BITS = 5  # dedup index value: blob id << _SUB_BITS | page in the blob
+_UNIT_CACHE_UNITS = 8  # decompressed units kept for the reads of their other pages
 
 _MASK64 = (1 << 64) - 1
 
@@ -87,6 +97,9 @@ class Counters:
     compactions: int = 0
     pages_moved: int = 0  # cells moved by compaction
     hot_hits: int = 0
+    units_written: int = 0  # multi-page blobs stored
+    unit_fallbacks: int = 0  # groups that compressed too poorly together: stored page by page
+    unit_hits: int = 0  # page reads served from the decompressed-unit cache
 
 
 @dataclass
@@ -135,9 +148,12 @@ class PageStore:
         page_size: int = 4096,
         clock: Callable[[], float] = time.monotonic,
         dictionary: str | list[str] = "none",
+        unit_pages: int = 1,
     ) -> None:
         if page_size != 4096:
             raise ValueError("only 4096-byte pages are supported")
+        if not 1 <= unit_pages <= MAX_UNIT_PAGES:
+            raise ValueError(f"unit_pages {unit_pages} outside 1..{MAX_UNIT_PAGES}")
         if size <= 0 or size % page_size:
             raise ValueError(f"device size {size} must be a positive multiple of {page_size}")
         tiering = tiering or Tiering()
@@ -149,24 +165,34 @@ class PageStore:
         self.nslots = size // page_size
         self.kind = np.zeros(self.nslots, dtype=np.uint8)
         self.handle = np.zeros(self.nslots, dtype=np.uint64)
+        self.sub = np.zeros(self.nslots, dtype=np.uint8)  # page within a multi-page blob
         self.slot_rtime = np.zeros(self.nslots, dtype=np.uint32)  # for ping-pong
+        self.unit_pages = unit_pages
         writer = make_codec(algorithm, level, page_size)
+        # Units get their own compressor: zstd sizes its window from the frame size it is
+        # told, and a 4 KiB window could not see the unit's earlier pages.
+        self.unit_codec = (
+            make_codec(algorithm, level, unit_pages * page_size) if unit_pages > 1 else None
+        )
         # compression.dictionary: loads (and checks) the dictionaries now, so a missing or
         # corrupt file stops the server at startup; picks one per write request later.
         self.dicts = StoreDictionaries(writer, dictionary, level, page_size, clock=clock)
         self.codecs = CodecSet(writer, self.dicts.registry)
-        self.pool = Pool(tiering.max_size, page_size)
+        max_blob = unit_pages * MAX_COMPRESSED if unit_pages > 1 else page_size
+        self.pool = Pool(tiering.max_size, page_size, max_blob)
         self.disk = (
             DiskTier(tiering.swap_out_path, tiering.swap_out_max_size)
             if tiering.swap_out_path
             else None
         )
         self.hot = HotCache(tiering.hot_cache_size, page_size)
-        self.blobs = BlobTable()
+        self.units = HotCache(
+            _UNIT_CACHE_UNITS * unit_pages * page_size if unit_pages > 1 else 0, page_size
+        )
+        self.blobs = BlobTable(unit_pages=unit_pages)
         self.index = DedupIndex()
         self.counters = Counters()
         self.same_pages = 0
-        self.shared_pages = 0  # slots whose blob has refcount > 1
         self.codec_pages = np.zeros(len(codecs.CODEC_NAMES), dtype=np.int64)
         self._zero_page = bytes(page_size)
         self._lock = threading.Lock()
@@ -191,6 +217,7 @@ class PageStore:
             tiering=Tiering.from_config(config),
             page_size=config.compression.page_size,
             dictionary=config.compression.dictionary,
+            unit_pages=config.compression.unit_pages,
             **kwargs,
         )
 
@@ -320,19 +347,17 @@ class PageStore:
         same = (words == words[:, :1]).all(axis=1)
         new_kind = np.where(same, SAME, BLOB).astype(np.uint8)
         new_handle = np.where(same, words[:, 0], 0).astype(np.uint64)
-        staged: list[int] = []
+        new_sub = np.zeros(count, dtype=np.uint8)
+        staged: list[int] = []  # one entry per blob reference taken for this request
         disk_before = self.disk.writes if self.disk else 0
         todo = np.flatnonzero(~same).tolist()
         pages = [data[i * page : (i + 1) * page] for i in todo]
         # One encoder (dictionary or none) for the whole request, from a sample page of it.
         self.dicts.maybe_collect(self.blobs)
         choice = self.dicts.choose(pages)
+        placed: list[tuple[int, int]] = [(0, 0)] * len(pages)  # (blob, page in blob)
         try:
-            for n, i in enumerate(todo):
-                blob = self._intern(pages[n], now, choice,
-                                    choice.sample_out if n == choice.sample else None)
-                staged.append(blob)
-                new_handle[i] = blob
+            self._place(pages, now, choice, placed, staged)
             if self.disk and self.disk.writes != disk_before:
                 # Inside the try: a failed write-back fails the request and releases its
                 # staged blobs (they used to leak, with no slot referring to them).
@@ -341,6 +366,8 @@ class PageStore:
             for blob in staged:
                 self._unref(blob)
             raise
+        for n, i in enumerate(todo):
+            new_handle[i], new_sub[i] = placed[n]
         if staged:
             self.codec_pages += np.bincount(
                 self.blobs.codec[staged], minlength=len(self.codec_pages)
@@ -354,45 +381,123 @@ class PageStore:
         self._release_slots(first, count)
         self.kind[first : first + count] = new_kind
         self.handle[first : first + count] = new_handle
+        self.sub[first : first + count] = new_sub
 
-    def _intern(self, page: memoryview, now: int, choice: Choice | None = None,
-                compressed: bytes | None = None) -> int:
-        """A blob holding `page`, with one more reference: shared if present, else new.
-        `choice` is the request's encoder; `compressed` the page already compressed by it."""
-        digest = xxhash.xxh3_128_intdigest(page)
-        lo, hi = digest & _MASK64, digest >> 64
+    def _place(self, pages: list[memoryview], now: int, choice: Choice,
+               placed: list[tuple[int, int]], staged: list[int]) -> None:
+        """Find or store a home for each page: an equal page already stored (any blob, any
+        page of a unit), an equal page earlier in this request, or a new blob. Fills
+        `placed` and appends every reference taken to `staged`."""
+        hashes: list[tuple[int, int]] = []
+        fresh: list[int] = []  # positions of pages to store
+        first_of: dict[int, int] = {}  # digest -> position of its first fresh page
+        repeats: list[tuple[int, int]] = []
+        for n, page in enumerate(pages):
+            digest = xxhash.xxh3_128_intdigest(page)
+            lo, hi = digest & _MASK64, digest >> 64
+            hashes.append((lo, hi))
+            found = self._lookup(page, lo, hi, now)
+            if found is not None:
+                placed[n] = found
+                staged.append(found[0])
+            elif digest in first_of:
+                repeats.append((n, first_of[digest]))
+            else:
+                first_of[digest] = n
+                fresh.append(n)
+        step = self.unit_pages
+        for start in range(0, len(fresh), step):
+            self._store_group(fresh[start : start + step], pages, hashes, now, choice,
+                              placed, staged)
+        for n, earlier in repeats:
+            blob = placed[earlier][0]
+            self._ref(blob)
+            staged.append(blob)
+            placed[n] = placed[earlier]
+            self.counters.dedup_hits += 1
+
+    def _lookup(self, page: memoryview, lo: int, hi: int, now: int) -> tuple[int, int] | None:
+        """(blob, page in blob) of a stored page equal to `page`, with one more reference."""
         key = index_key(lo)
         blobs = self.blobs
-        for blob in self.index.candidates(key):
-            if int(blobs.hash_hi[blob]) == hi and self._blob_bytes(blob) == page:
+        for ref in self.index.candidates(key):
+            blob, sub = ref >> _SUB_BITS, ref & ((1 << _SUB_BITS) - 1)
+            if blobs.pages[blob] == 1:
+                equal = int(blobs.hash_hi[blob]) == hi and self._blob_bytes(blob) == page
+            else:  # unit pages keep only the index key; the bytes decide
+                equal = self._unit_page(blob, sub) == page
+            if equal:
                 self._ref(blob)
                 blobs.atime[blob] = now
                 self.counters.dedup_hits += 1
                 if int(blobs.rtime[blob]) and now - int(blobs.rtime[blob]) <= self._hot_ticks:
                     self.counters.pingpong += 1  # the same content came back right after a read
-                return blob
+                return blob, sub
             self.counters.hash_collisions += 1
+        return None
+
+    def _store_group(self, group: list[int], pages: list[memoryview],
+                     hashes: list[tuple[int, int]], now: int, choice: Choice,
+                     placed: list[tuple[int, int]], staged: list[int]) -> None:
+        """Store the pages at positions `group`: as one unit when there are several and
+        they compress well enough together, else one blob per page."""
+        if len(group) > 1:
+            compressed = self.unit_codec.compress(b"".join(pages[n] for n in group))
+            for n in group:
+                self.dicts.observe(pages[n])
+            if len(compressed) <= len(group) * MAX_COMPRESSED:
+                blob = self._new_blob(compressed, self.unit_codec.id, 0, 0, 0, now, len(group))
+                self.blobs.ref[blob] = len(group)
+                for sub, n in enumerate(group):
+                    lo = hashes[n][0]
+                    self.blobs.members[blob, sub] = lo
+                    self.index.insert(index_key(lo), blob << _SUB_BITS | sub)
+                    placed[n] = (blob, sub)
+                    staged.append(blob)
+                self.counters.units_written += 1
+                return
+            self.counters.unit_fallbacks += 1
+        for n in group:
+            sample = choice.sample_out if n == choice.sample else None
+            blob = self._store_page(pages[n], hashes[n], now, choice, sample, observed=len(group) > 1)
+            placed[n] = (blob, 0)
+            staged.append(blob)
+
+    def _store_page(self, page: memoryview, digest: tuple[int, int], now: int,
+                    choice: Choice | None, compressed: bytes | None = None,
+                    observed: bool = False) -> int:
+        """A new one-page blob holding `page`. `choice` is the request's encoder;
+        `compressed` the page already compressed by it."""
         encoder = choice.codec if choice is not None else self.codecs.writer
         dict_id = choice.dict_id if choice is not None else 0
         if compressed is None:
             compressed = encoder.compress(page)
         codec_id = encoder.id
-        self.dicts.observe(page)
+        if not observed:
+            self.dicts.observe(page)
         if len(compressed) > MAX_COMPRESSED:
             compressed, codec_id, dict_id = page, codecs.RAW, 0
+        lo, hi = digest
+        blob = self._new_blob(compressed, codec_id, dict_id, lo, hi, now)
+        self.index.insert(index_key(lo), blob << _SUB_BITS)
+        return blob
+
+    def _new_blob(self, compressed, codec_id: int, dict_id: int, lo: int, hi: int, now: int,
+                  pages: int = 1) -> int:
+        """A blob row for `compressed`, in a pool cell, or on disk with the pool at its cap."""
+        blobs = self.blobs
         try:
             arena, cell = self.pool.alloc(len(compressed))
         except PoolFull as exc:
             offset = self._disk_put(compressed, str(exc))
-            blob = blobs.new(-1, 0, len(compressed), codec_id, lo, hi, dict_id)
+            blob = blobs.new(-1, 0, len(compressed), codec_id, lo, hi, dict_id, pages)
             blobs.tier[blob] = DISK
             blobs.disk_off[blob] = offset
             self.counters.direct_to_disk += 1
         else:
             self.pool.put(arena, cell, compressed)
-            blob = blobs.new(arena, cell, len(compressed), codec_id, lo, hi, dict_id)
+            blob = blobs.new(arena, cell, len(compressed), codec_id, lo, hi, dict_id, pages)
         blobs.atime[blob] = now
-        self.index.insert(key, blob)
         return blob
 
     def _disk_put(self, data, why_not_pool: str) -> int:
@@ -419,18 +524,22 @@ class PageStore:
             raise
 
     def _ref(self, blob: int) -> None:
-        ref = int(self.blobs.ref[blob]) + 1
-        self.blobs.ref[blob] = ref
-        self.shared_pages += 2 if ref == 2 else 1
+        self.blobs.ref[blob] += 1
 
     def _unref(self, blob: int) -> None:
         blobs = self.blobs
         ref = int(blobs.ref[blob]) - 1
         if ref > 0:
             blobs.ref[blob] = ref
-            self.shared_pages -= 2 if ref == 1 else 1
             return
-        self.index.remove(index_key(int(blobs.hash_lo[blob])), blob)
+        pages = int(blobs.pages[blob])
+        if pages == 1:
+            self.index.remove(index_key(int(blobs.hash_lo[blob])), blob << _SUB_BITS)
+        else:
+            for sub in range(pages):
+                self.index.remove(index_key(int(blobs.members[blob, sub])),
+                                  blob << _SUB_BITS | sub)
+            self.units.discard(blob)
         self.hot.discard(blob)
         if blobs.tier[blob] == POOL:
             self.pool.free(int(blobs.arena[blob]), int(blobs.cell[blob]))
@@ -452,6 +561,7 @@ class PageStore:
                 self._unref(blob)
         kinds[:] = EMPTY
         self.handle[first : first + count] = 0
+        self.sub[first : first + count] = 0
 
     def _stored_bytes(self, blob: int) -> bytes:
         blobs = self.blobs
@@ -466,6 +576,17 @@ class PageStore:
 
     def _blob_bytes(self, blob: int) -> bytes:
         return self._fetch(blob, is_hot=False, touch=False)
+
+    def _unit_page(self, blob: int, sub: int) -> memoryview:
+        page = self.page_size
+        return memoryview(self._fetch(blob, is_hot=False, touch=False))[sub * page : (sub + 1) * page]
+
+    def _page_of(self, data: bytes, slot: int) -> bytes | memoryview:
+        """A slot's page out of its blob's decompressed bytes."""
+        if len(data) == self.page_size:
+            return data
+        page, sub = self.page_size, int(self.sub[slot])
+        return memoryview(data)[sub * page : (sub + 1) * page]
 
     def _readinto(self, out: memoryview, offset: int) -> None:
         if not out:
@@ -505,7 +626,8 @@ class PageStore:
             self.blobs.atime[ids] = now
             self.slot_rtime[first : first + count][held] = now
         for i, blob, is_hot in zip(held.tolist(), ids.tolist(), hot.tolist()):
-            out[i * page : (i + 1) * page] = self._fetch(blob, is_hot, touch)
+            data = self._fetch(blob, is_hot, touch)
+            out[i * page : (i + 1) * page] = self._page_of(data, first + i)
 
     def _readinto_few(self, out: memoryview, first: int, count: int, touch: bool) -> None:
         """The same as the vectorized path, page by page: a swap-in fault reads 1-8 pages,
@@ -529,22 +651,32 @@ class PageStore:
                     blobs.rtime[blob] = now
                     blobs.atime[blob] = now
                     self.slot_rtime[slot] = now
-                out[i * page : (i + 1) * page] = self._fetch(blob, is_hot, touch)
+                out[i * page : (i + 1) * page] = self._page_of(self._fetch(blob, is_hot, touch), slot)
 
     def _fetch(self, blob: int, is_hot: bool, touch: bool) -> bytes:
-        """A blob's page: from the hot cache, or decompressed from its tier (a disk blob read
-        by a request is promoted when the pool has room)."""
+        """A blob's bytes (one page, or all pages of a unit): from the hot cache or the unit
+        cache, or decompressed from its tier (a disk blob read by a request is promoted
+        when the pool has room)."""
         data = self.hot.get(blob)
         if data is not None:
             self.counters.hot_hits += 1
             return data
+        pages = int(self.blobs.pages[blob])
+        if pages > 1:
+            data = self.units.get(blob)
+            if data is not None:
+                self.counters.unit_hits += 1
+                return data
         stored = self._stored_bytes(blob)
         data = self.codecs.decompress(
-            int(self.blobs.codec[blob]), stored, int(self.blobs.dict_id[blob])
+            int(self.blobs.codec[blob]), stored, int(self.blobs.dict_id[blob]),
+            pages * self.page_size,
         )
         if touch and self.blobs.tier[blob] == DISK:
             self._promote(blob, stored)
-        if is_hot:
+        if pages > 1:
+            self.units.put(blob, data)
+        elif is_hot:
             self.hot.put(blob, data)
         return data
 
@@ -672,7 +804,8 @@ class PageStore:
         """Everything held in memory besides pool arenas. The big preallocated tables count
         their resident pages (mincore): a slot table for 8 GiB of device costs only the part
         the kernel's swap allocator has used."""
-        tables = [self.kind, self.handle, self.slot_rtime, *self.blobs.arrays(), *self.index.arrays()]
+        tables = [self.kind, self.handle, self.sub, self.slot_rtime, *self.blobs.arrays(),
+                  *self.index.arrays()]
         return (
             sum(array_resident_bytes(a) for a in tables)
             + self.codecs.memory_bytes()
@@ -681,7 +814,10 @@ class PageStore:
         )
 
     def stored_mem(self) -> int:
-        return self.pool.allocated_bytes + self.meta_bytes() + self.hot.nbytes
+        return self.pool.allocated_bytes + self.meta_bytes() + self._cache_bytes()
+
+    def _cache_bytes(self) -> int:
+        return self.hot.nbytes + self.units.nbytes
 
     def stats(self) -> dict:
         with self._lock:
@@ -694,7 +830,9 @@ class PageStore:
         orig = pages * page
         stored = self.stored_mem()
         blobs = self.blobs
-        slot_blobs = self.handle[self.kind == BLOB].astype(np.int64)
+        held = self.kind == BLOB
+        slot_blobs = self.handle[held].astype(np.int64)
+        pages_held = self._pages_held(slot_blobs, self.sub[held])
         tier_pages = np.bincount(blobs.tier[slot_blobs], minlength=2)
         live = blobs.live()
         lengths = blobs.length.astype(np.int64)
@@ -716,9 +854,12 @@ class PageStore:
             "same_pages": self.same_pages,
             "raw_pages": int(self.codec_pages[codecs.RAW]),
             "compressed_pages": blob_pages - int(self.codec_pages[codecs.RAW]),
-            "shared_pages": self.shared_pages,
+            "shared_pages": pages_held["shared"],
             "unique_blobs": blobs.count,
-            "dedup_saved_pages": blob_pages - blobs.count,
+            "dedup_saved_pages": blob_pages - pages_held["distinct"],
+            "unit_pages": self.unit_pages,
+            "units": int(np.count_nonzero(live & (blobs.pages > 1))),
+            "unit_dead_pages": pages_held["dead"],
             "codec_pages": codec_pages,
             "dictionaries": self.dicts.stats(blobs, slot_blobs, page),
             "pool_bytes": self.pool.allocated_bytes,
@@ -727,7 +868,7 @@ class PageStore:
             "fragmentation": round(self.fragmentation(), 4),
             "compressed_bytes": int(lengths[live].sum()),
             "meta_bytes": self.meta_bytes(),
-            "hot_cache_bytes": self.hot.nbytes,
+            "hot_cache_bytes": self._cache_bytes(),
             "max_size": self.pool.max_size,
             "reclaim_bytes": self.reclaim_bytes,
             "disk_mem": self.disk.file_size if self.disk else 0,
@@ -749,6 +890,17 @@ class PageStore:
             "temperature": self._temperature(slot_blobs),
             **asdict(self.counters),
         }
+
+    def _pages_held(self, slot_blobs: np.ndarray, subs: np.ndarray) -> dict:
+        """Distinct stored pages the slots use, slots sharing one with another slot, and
+        pages of live units no slot uses any more (overwritten or trimmed: memory a unit
+        holds until its last page goes)."""
+        pairs = slot_blobs << _SUB_BITS | subs.astype(np.int64)
+        distinct, counts = np.unique(pairs, return_counts=True)
+        live = self.blobs.live()
+        stored = int(self.blobs.pages[live].astype(np.int64).sum())
+        return {"distinct": len(distinct), "shared": int(counts[counts > 1].sum()),
+                "dead": stored - len(distinct)}
 
     def _temperature(self, slot_blobs: np.ndarray) -> dict:
         """Pages by temperature: hot (in the hot cache), warm (accessed within
@@ -791,15 +943,18 @@ class PageStore:
         """Cross-check every invariant of the books; raises AssertionError. For tests."""
         with self._lock:
             blobs = self.blobs
-            blob_slots = self.handle[self.kind == BLOB].astype(np.int64)
+            held = self.kind == BLOB
+            blob_slots = self.handle[held].astype(np.int64)
             refs = np.bincount(blob_slots, minlength=blobs.capacity)[: blobs.capacity]
             assert np.array_equal(refs, blobs.ref.astype(np.int64)), "refcounts disagree"
             assert blobs.count == int(np.count_nonzero(refs)), "blob count disagrees"
-            assert self.index.count == blobs.count, "index and blob table disagree"
+            live = blobs.live()
+            assert self.index.count == int(blobs.pages[live].astype(np.int64).sum()), \
+                "index and blob table disagree"
+            assert (self.sub[held] < blobs.pages[blob_slots]).all(), "slot names a missing page"
+            assert not self.sub[~held].any()
             assert self.same_pages == int(np.count_nonzero(self.kind == SAME))
             assert int(self.codec_pages.sum()) == len(blob_slots)
-            assert self.shared_pages == int(refs[refs > 1].sum())
-            live = blobs.live()
             in_pool = live & (blobs.tier == POOL)
             assert self.pool.live_cells == int(in_pool.sum()), "pool cells leak"
             cells = sum(self.pool.class_for(int(n)).cell_size for n in blobs.length[in_pool])

@@ -127,6 +127,7 @@ def valid_configs(draw):
             "dictionary": draw(st.one_of(st.sampled_from(["auto", "prebuilt", "none"]),
                                          st.lists(names, min_size=1, max_size=4, unique=True))),
             "page_size": 4096,
+            "unit_pages": draw(st.integers(1, 16)),
         },
         "pool": {
             "max_size": draw(st.integers(1 << 20, 1 << 44)),
@@ -189,6 +190,10 @@ BAD_VALUES = [
     ("compression", "page_size", -4096, "4096"),
     ("compression", "page_size", "big", "4096"),
     ("compression", "page_size", True, "4096"),
+    ("compression", "unit_pages", 0, "1-16 pages"),
+    ("compression", "unit_pages", 17, "1-16 pages"),
+    ("compression", "unit_pages", "4", "integer"),
+    ("compression", "unit_pages", True, "integer"),
     ("pool", "max_size", 0, "too small"),
     ("pool", "max_size", -1, "negative"),
     ("pool", "max_size", "512K", "too small"),

@@ -174,20 +174,19 @@ def run_dir():
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _config():
-    import tempfile
-
+def _config(run_dir):
     from agentzip_blk.config import Config
     cfg = Config()
-    # Never share the default disk tier file with another server.
-    cfg.pool.swap_out_path = os.path.join(tempfile.mkdtemp(prefix="azt-disk-"), "disk-tier")
+    # Never share the default disk tier file with another server; the run dir is removed
+    # after each test, so the file goes with it.
+    cfg.pool.swap_out_path = os.path.join(run_dir, "disk-tier")
     return cfg
 
 
 @pytest.fixture
 def chain(run_dir, plugin):
     """An attached device (64 MiB, priority 123); teardown guaranteed by ``run_dir``."""
-    state = device.up(_config(), None, run_dir, priority=123, size=SIZE, plugin=plugin)
+    state = device.up(_config(run_dir), None, run_dir, priority=123, size=SIZE, plugin=plugin)
     yield state
     if device.RunState.load(run_dir) is not None:
         device.down(run_dir, force=True)
@@ -453,7 +452,7 @@ def test_attach_status_detach(chain, run_dir, plugin, capsys):
 @requires_swap
 def test_up_refuses_double_up(chain, run_dir, plugin, capsys):
     with pytest.raises(device.AlreadyAttached, match="agentzip-blk down"):
-        device.up(_config(), None, run_dir, priority=5, size=SIZE, plugin=plugin)
+        device.up(_config(run_dir), None, run_dir, priority=5, size=SIZE, plugin=plugin)
     # the CLI says the same in one line, exit 2
     rc = cli.main(["--run-dir", run_dir, "up", "--plugin", "memory", "--size", "64M"])
     assert rc == 2
@@ -472,7 +471,7 @@ def test_stale_state_is_cleaned(run_dir):
                             nbd_socket=os.path.join(run_dir, "nbd.sock"), size=SIZE,
                             nbdkit_pid=1, device="/dev/loop-nonexistent")
     stale.save()
-    st = device.up(_config(), None, run_dir, priority=7, size=SIZE, plugin="memory")
+    st = device.up(_config(run_dir), None, run_dir, priority=7, size=SIZE, plugin="memory")
     try:
         assert st.nbdkit_pid != 1 and system.swap_area(st.device).priority == 7
     finally:
@@ -485,7 +484,7 @@ def test_stale_state_is_cleaned(run_dir):
 @pytest.mark.parametrize("step", ["nbdkit", "nbdfuse", "losetup", "mkswap", "swapon"])
 def test_rollback_after_each_step(run_dir, step):
     with pytest.raises(device.DeviceError, match=f"injected failure after {step}"):
-        device.up(_config(), None, run_dir, priority=9, size=SIZE, plugin="memory",
+        device.up(_config(run_dir), None, run_dir, priority=9, size=SIZE, plugin="memory",
                   fail_after=step)
     assert_clean(run_dir)
     assert not os.path.exists(os.path.join(run_dir, "state.json"))
@@ -494,7 +493,7 @@ def test_rollback_after_each_step(run_dir, step):
 @requires_swap
 def test_rollback_when_mkswap_fails(run_dir):
     with pytest.raises(device.DeviceError, match="mkswap"):
-        device.up(_config(), None, run_dir, priority=9, size=SIZE, plugin="memory",
+        device.up(_config(run_dir), None, run_dir, priority=9, size=SIZE, plugin="memory",
                   tools={"mkswap": "/bin/false"})
     assert_clean(run_dir)
     assert not os.path.exists(os.path.join(run_dir, "state.json"))
@@ -503,7 +502,7 @@ def test_rollback_when_mkswap_fails(run_dir):
 @requires_swap
 def test_server_start_failure_reports_log(run_dir):
     with pytest.raises(device.DeviceError) as ei:
-        device.up(_config(), None, run_dir, priority=9, size=SIZE,
+        device.up(_config(run_dir), None, run_dir, priority=9, size=SIZE,
                   plugin="no-such-plugin-azt")
     msg = str(ei.value)
     assert "nbdkit exited" in msg and "no-such-plugin-azt" in msg  # the log tail is included
@@ -551,7 +550,7 @@ def test_teardown_refuses_to_stop_server_under_swap(chain, run_dir, monkeypatch)
 @requires_swap
 def test_attached_context_manager_tears_down_on_error(run_dir):
     with pytest.raises(ZeroDivisionError):
-        with device.attached(_config(), run_dir, priority=11, size=SIZE, plugin="memory") as st:
+        with device.attached(_config(run_dir), run_dir, priority=11, size=SIZE, plugin="memory") as st:
             assert system.swap_area(st.device).priority == 11
             1 / 0
     assert_clean(run_dir)

@@ -45,9 +45,11 @@ def payloads(draw) -> bytes:
 
 
 class StoreModel(RuleBasedStateMachine):
+    UNIT_PAGES = 1
+
     def __init__(self) -> None:
         super().__init__()
-        self.store = PageStore(DEVICE, max_size=64 << 20)
+        self.store = PageStore(DEVICE, max_size=64 << 20, unit_pages=self.UNIT_PAGES)
         self.model = bytearray(DEVICE)
 
     offsets = st.one_of(
@@ -100,11 +102,20 @@ class StoreModel(RuleBasedStateMachine):
         assert self.store.read(0, DEVICE) == self.model
 
 
+class UnitStoreModel(StoreModel):
+    """The same with 3-page units: units form from 2-4 page writes, partial groups and all,
+    and overwrites, trims and duplicates land inside them."""
+
+    UNIT_PAGES = 3
+
+
 TestStoreModel = StoreModel.TestCase
-TestStoreModel.settings = settings(
-    max_examples=60, stateful_step_count=40, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+TestUnitStoreModel = UnitStoreModel.TestCase
+for case in (TestStoreModel, TestUnitStoreModel):
+    case.settings = settings(
+        max_examples=60, stateful_step_count=40, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
 
 
 def test_everything_returns_to_zero_after_trim():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -212,6 +213,8 @@ class TieredModel(RuleBasedStateMachine):
     """Random requests, clock steps and maintenance against a bytearray; the cap is checked
     after every operation and the books after every step."""
 
+    UNIT_PAGES = 1
+
     @initialize(data=st.data())
     def setup(self, data) -> None:
         import tempfile
@@ -223,7 +226,8 @@ class TieredModel(RuleBasedStateMachine):
             swap_out_max_size=data.draw(st.sampled_from([0, 160 * 1024])),
             cold_grace_period=2.0, hot_cache_size=16 * 1024,
         )
-        self.store = PageStore(128 * PAGE, tiering=tiering, clock=self.clock)
+        self.store = PageStore(128 * PAGE, tiering=tiering, clock=self.clock,
+                               unit_pages=self.UNIT_PAGES)
         self.model = bytearray(128 * PAGE)
 
     @rule(slot=st.integers(0, 127), pages=st.integers(1, 8), seed=st.integers(0, 50),
@@ -280,13 +284,22 @@ class TieredModel(RuleBasedStateMachine):
         if hasattr(self, "store"):
             assert self.store.read(0, len(self.model)) == self.model
             self.store.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class UnitTieredModel(TieredModel):
+    """The same with 4-page units, which move between the tiers whole."""
+
+    UNIT_PAGES = 4
 
 
 TestTieredModel = TieredModel.TestCase
-TestTieredModel.settings = settings(
-    max_examples=40, stateful_step_count=50, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+TestUnitTieredModel = UnitTieredModel.TestCase
+for case in (TestTieredModel, TestUnitTieredModel):
+    case.settings = settings(
+        max_examples=40, stateful_step_count=50, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
 
 
 def test_rebase_keeps_order(tmp_path):
