@@ -304,6 +304,32 @@ def _loop_dio(dev: str | None) -> bool | None:
         return None
 
 
+def _loop_rotational(dev: str | None) -> bool | None:
+    name = _loop_name(dev)
+    if not name:
+        return None
+    try:
+        with open(f"/sys/block/{name}/queue/rotational", encoding="ascii") as f:
+            return f.read().strip() == "1"
+    except OSError:
+        return None
+
+
+def _mark_rotational(dev: str) -> bool:
+    """Flag the loop device rotational, before swapon (which reads the flag once): swap-in
+    then reads ahead 2^vm.page-cluster neighbouring slots per request instead of following
+    one process's address space. Every request through the chain costs ~300 us whatever
+    its size, so fewer larger reads win: measured on the demo, 12k reads of ~19.5 KiB
+    instead of 37k of ~6.4 KiB, swap-in ~2x (BENCHMARKS.md). Neighbouring slots are also
+    what one multi-page unit holds. Best effort: a read-only sysfs only costs speed."""
+    try:
+        with open(f"/sys/block/{_loop_name(dev)}/queue/rotational", "w", encoding="ascii") as f:
+            f.write("1")
+    except OSError:
+        return False
+    return _loop_rotational(dev) is True
+
+
 def _loop_is_ours(state: RunState) -> bool:
     backing = _loop_backing(state.loop_device)
     if backing is None or not state.fuse_file:
@@ -694,6 +720,7 @@ def _up_steps(state: RunState, timeout: float, fail_after: str | None) -> None:
             raise DeviceError(f"direct I/O is off on {loop} (/sys/block/{_loop_name(loop)}/"
                               "loop/dio): without it every swapped page also stays in the "
                               "page cache and no memory is saved")
+        _mark_rotational(loop)
         _inject("losetup", fail_after)
 
     # 3. mkswap + swapon
@@ -790,7 +817,11 @@ def status(run_dir: str | None = None, *, config=None) -> dict:
             if state.loop_device:
                 out["loop"] = {"device": state.loop_device, "attached": _loop_is_ours(state),
                                "backing_file": _loop_backing(state.loop_device),
-                               "dio": _loop_dio(state.loop_device)}
+                               "dio": _loop_dio(state.loop_device),
+                               "rotational": _loop_rotational(state.loop_device)}
+                if out["loop"]["rotational"] is False:
+                    warnings.append(f"{state.loop_device} is not flagged rotational: swap-in "
+                                    "reads one page per request (slower); re-run up")
         ours = system.swap_area(state.device)
         if ours is not None:
             out["swap"] = ours.to_dict()

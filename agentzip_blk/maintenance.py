@@ -45,5 +45,6 @@ class Maintainer:
                 self.log(f"agentzip: maintenance failed: {self.last_error}")
                 continue
             self.rounds += 1
-            if result["demoted"] or result["compacted"]:
-                self.log(f"agentzip: demoted {result['demoted']} pages, compacted {result['compacted']}")
+            if result["demoted"] or result["compacted"] or result["units_rewritten"]:
+                self.log(f"agentzip: demoted {result['demoted']} pages, compacted "
+                         f"{result['compacted']}, rewrote {result['units_rewritten']} sparse units")

@@ -95,7 +95,12 @@ class Pool:
         self._a_free_head = np.zeros(cap, dtype=np.uint32)  # intrusive free list head
         self._a_bump = np.zeros(cap, dtype=np.uint32)  # cells never handed out start here
         self._evacuating: set[int] = set()  # arenas being emptied by compaction
-        self.allocated_bytes = 0  # arenas as mapped
+        self.allocated_bytes = 0  # arenas as mapped (what the cap limits)
+        # Pages of arenas ever touched: cells are handed out from the start of an arena (free
+        # list, then the never-used rest), and an anonymous mapping costs memory only where
+        # it was written, so a fresh arena holding one cell costs that cell's pages, not the
+        # arena. This is what the server's RSS pays for the pool.
+        self.resident_bytes = 0
         self.live_bytes = 0  # sum of cell sizes in use
         self.live_cells = 0
 
@@ -126,6 +131,7 @@ class Pool:
         else:
             cell = int(self._a_bump[arena_id])
             self._a_bump[arena_id] = cell + 1
+            self.resident_bytes += self._touched(cls, cell + 1) - self._touched(cls, cell)
         used = int(self._a_used[arena_id]) + 1
         self._a_used[arena_id] = used
         if used == cls.cells_per_arena:
@@ -184,6 +190,11 @@ class Pool:
         self._evacuating.discard(arena_id)
         self._free_ids.append(arena_id)
         self.allocated_bytes -= cls.arena_size
+        self.resident_bytes -= self._touched(cls, int(self._a_bump[arena_id]))
+
+    def _touched(self, cls: SizeClass, cells: int) -> int:
+        """Bytes of whole pages covering an arena's first `cells` cells."""
+        return -(-cells * cls.cell_size // self.page_size) * self.page_size
 
     def _grow(self, needed: int) -> None:
         cap = max(needed, 2 * len(self._a_class))

@@ -100,6 +100,7 @@ class Counters:
     units_written: int = 0  # multi-page blobs stored
     unit_fallbacks: int = 0  # groups that compressed too poorly together: stored page by page
     unit_hits: int = 0  # page reads served from the decompressed-unit cache
+    units_rewritten: int = 0  # sparse units recompressed without their dead pages
 
 
 @dataclass
@@ -458,7 +459,7 @@ class PageStore:
                 return
             self.counters.unit_fallbacks += 1
         for n in group:
-            sample = choice.sample_out if n == choice.sample else None
+            sample = choice.sample_out if choice is not None and n == choice.sample else None
             blob = self._store_page(pages[n], hashes[n], now, choice, sample, observed=len(group) > 1)
             placed[n] = (blob, 0)
             staged.append(blob)
@@ -740,6 +741,66 @@ class PageStore:
             self.counters.demotions += len(copies)
             return len(copies)
 
+    def rewrite_sparse_units(self, limit: int = _DEMOTE_CHUNK) -> int:
+        """Recompress units that at most half of their pages are still used by, keeping only
+        those pages; returns units rewritten. A unit stays whole while any page of it is
+        held, so without this, overwrites and trims scattered over units would keep dead
+        pages in memory indefinitely."""
+        if self.unit_pages == 1:
+            return 0
+        with self._lock:
+            blobs = self.blobs
+            n = blobs.capacity
+            ref = blobs.ref[:n].astype(np.int64)
+            sparse = np.flatnonzero((ref > 0) & (blobs.pages[:n] > 1)
+                                    & (2 * ref <= blobs.pages[:n]))[:limit]
+            if not len(sparse):
+                return 0
+            held = np.flatnonzero((self.kind == BLOB) & np.isin(self.handle, sparse.astype(np.uint64)))
+            slots_of: dict[int, list[int]] = {}
+            for slot in held.tolist():
+                slots_of.setdefault(int(self.handle[slot]), []).append(slot)
+            done = 0
+            for blob, slots in slots_of.items():
+                try:
+                    done += self._rewrite_unit(blob, slots)
+                except (StoreFull, DiskError, CodecError):
+                    break  # no room or a bad read: the unit stays as it is
+            self.counters.units_rewritten += done
+            return done
+
+    def _rewrite_unit(self, blob: int, slots: list[int]) -> int:
+        page = self.page_size
+        data = memoryview(self._fetch(blob, is_hot=False, touch=False))
+        subs = sorted({int(self.sub[slot]) for slot in slots})
+        pages = [data[sub * page : (sub + 1) * page] for sub in subs]
+        hashes = []
+        for p in pages:
+            digest = xxhash.xxh3_128_intdigest(p)
+            hashes.append((digest & _MASK64, digest >> 64))
+        placed: list[tuple[int, int]] = [(0, 0)] * len(pages)
+        staged: list[int] = []
+        now = int(self.blobs.atime[blob])  # the pages keep their age
+        try:
+            self._store_group(list(range(len(pages))), pages, hashes, now, None, placed, staged)
+        except BaseException:
+            for new in staged:
+                self._unref(new)
+            raise
+        home = dict(zip(subs, placed))
+        taken = set()
+        codec = self.blobs.codec
+        for slot in slots:
+            new, new_sub = home[int(self.sub[slot])]
+            if (new, new_sub) in taken:
+                self._ref(new)  # a second slot sharing that page
+            taken.add((new, new_sub))
+            self.codec_pages[int(codec[blob])] -= 1
+            self.codec_pages[int(codec[new])] += 1
+            self.handle[slot], self.sub[slot] = new, new_sub
+            self._unref(blob)
+        return 1
+
     def fragmentation(self) -> float:
         allocated = self.pool.allocated_bytes
         return 1 - self.pool.live_bytes / allocated if allocated else 0.0
@@ -782,7 +843,9 @@ class PageStore:
         return len(movers)
 
     def maintain(self) -> dict:
-        """One round of background work: demote while above the threshold, then compact."""
+        """One round of background work: drop the dead pages of sparse units, demote while
+        above the threshold, then compact."""
+        rewritten = self.rewrite_sparse_units()
         demoted = 0
         reclaiming = self.pool.allocated_bytes >= self.reclaim_bytes
         while reclaiming and self.pool.allocated_bytes > self.reclaim_target:
@@ -796,7 +859,7 @@ class PageStore:
         compacted = 0
         if self.tiering.defrag and self.needs_compaction():
             compacted = self.compact()
-        return {"demoted": demoted, "compacted": compacted}
+        return {"demoted": demoted, "compacted": compacted, "units_rewritten": rewritten}
 
     # -- accounting ------------------------------------------------------------------
 
@@ -814,7 +877,7 @@ class PageStore:
         )
 
     def stored_mem(self) -> int:
-        return self.pool.allocated_bytes + self.meta_bytes() + self._cache_bytes()
+        return self.pool.resident_bytes + self.meta_bytes() + self._cache_bytes()
 
     def _cache_bytes(self) -> int:
         return self.hot.nbytes + self.units.nbytes
@@ -863,6 +926,7 @@ class PageStore:
             "codec_pages": codec_pages,
             "dictionaries": self.dicts.stats(blobs, slot_blobs, page),
             "pool_bytes": self.pool.allocated_bytes,
+            "pool_resident_bytes": self.pool.resident_bytes,
             "pool_live_bytes": self.pool.live_bytes,
             "pool_arenas": self.pool.arena_count,
             "fragmentation": round(self.fragmentation(), 4),
@@ -960,6 +1024,7 @@ class PageStore:
             cells = sum(self.pool.class_for(int(n)).cell_size for n in blobs.length[in_pool])
             assert self.pool.live_bytes == cells
             assert self.pool.allocated_bytes <= self.pool.max_size, "pool over its cap"
+            assert self.pool.live_bytes <= self.pool.resident_bytes <= self.pool.allocated_bytes
             on_disk = live & (blobs.tier == DISK)
             if self.disk is not None:
                 units = (-(-blobs.length[on_disk].astype(np.int64) // 64) * 64).sum()

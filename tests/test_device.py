@@ -426,6 +426,7 @@ def test_attach_status_detach(chain, run_dir, plugin, capsys):
     assert s["server"]["alive"] and s["server"]["rss"] > 0
     if st.mode == "fuse":
         assert s["loop"]["dio"] is True and s["mount"]["mounted"]
+        assert s["loop"]["rotational"] is True  # cluster swap readahead (fewer, larger reads)
     with open(os.path.join(run_dir, "state.json")) as f:
         assert json.load(f)["device"] == st.device
 

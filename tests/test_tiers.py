@@ -156,7 +156,7 @@ def test_hot_cache_and_pingpong(tmp_path):
     assert stats["hot_hits"] >= 1
     assert stats["hot_cache_bytes"] > PAGE
     assert stats["temperature"]["hot"] == 1
-    assert stats["stored_mem"] >= stats["pool_bytes"] + stats["hot_cache_bytes"]
+    assert stats["stored_mem"] >= stats["pool_resident_bytes"] + stats["hot_cache_bytes"]
     # Slot 1 read, then written again 0.2 s later: the kernel swapped it right back out.
     store.read(PAGE, PAGE)
     clock.advance(0.2)

@@ -212,3 +212,27 @@ def test_bad_unit_sizes_rejected():
     for bad in (0, 17):
         with pytest.raises(ValueError):
             PageStore(DEVICE, unit_pages=bad)
+
+
+def test_sparse_units_are_rewritten_without_their_dead_pages():
+    st = store(8)
+    data = bytearray(pages(0, 16))
+    st.write(bytes(data), 0)
+    st.write(data[3 * PAGE : 4 * PAGE], 200 * PAGE)  # a second slot on page 3 of unit 1
+    data += bytes(0)
+    for slot in (0, 1, 2, 4, 5):  # unit 1 keeps pages 3, 6, 7 (and the twin of 3)
+        st.trim(slot * PAGE, PAGE)
+        data[slot * PAGE : (slot + 1) * PAGE] = bytes(PAGE)
+    st.write(text_page(999), 9 * PAGE)  # unit 2 loses one page: not sparse, left alone
+    data[9 * PAGE : 10 * PAGE] = text_page(999)
+    before = st.stats()
+    assert before["unit_dead_pages"] == 5 + 1
+    assert st.maintain()["units_rewritten"] == 1
+    after = st.stats()
+    assert after["unit_dead_pages"] == 1
+    assert after["compressed_bytes"] < before["compressed_bytes"]
+    assert after["shared_pages"] == 2  # slots 3 and 200 still share one page
+    assert read_pages(st, 0, 16) == data[: 16 * PAGE]
+    assert read_pages(st, 200, 1) == data[3 * PAGE : 4 * PAGE]
+    st.check()
+    assert st.maintain()["units_rewritten"] == 0

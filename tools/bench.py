@@ -76,6 +76,7 @@ class SwapConfig:
     algorithm: str
     level: int | None = None
     dictionary: str | None = None  # agentzip: compression.dictionary; None = the default
+    unit_pages: int | None = None  # agentzip: compression.unit_pages; None = the default
 
     @property
     def is_zram(self) -> bool:
@@ -105,7 +106,10 @@ def swap_configs(with_dictionaries: bool) -> list[SwapConfig]:
            SwapConfig("agentzip-default", "agentzip", "default"),
            SwapConfig("agentzip-lz4", "agentzip", "lz4", 1, "none"),
            SwapConfig("agentzip-zstd3", "agentzip", "zstd", 3, "none"),
-           SwapConfig("agentzip-zstd9", "agentzip", "zstd", 9, "none")]
+           SwapConfig("agentzip-zstd9", "agentzip", "zstd", 9, "none"),
+           SwapConfig("agentzip-unit4", "agentzip", "zstd", 3, "none", 4),
+           SwapConfig("agentzip-unit8", "agentzip", "zstd", 3, "none", 8),
+           SwapConfig("agentzip-unit16", "agentzip", "zstd", 3, "none", 16)]
     if with_dictionaries:
         out += [SwapConfig("agentzip-zstd3-dict", "agentzip", "zstd", 3, "prebuilt"),
                 SwapConfig("agentzip-zstd9-dict", "agentzip", "zstd", 9, "prebuilt")]
@@ -350,6 +354,8 @@ class Bench:
         from agentzip_blk.config import parse_config
         comp = {} if cfg.algorithm == "default" else {"algorithm": cfg.algorithm, "level": cfg.level,
                                                       "dictionary": cfg.dictionary}
+        if cfg.unit_pages is not None:
+            comp["unit_pages"] = cfg.unit_pages
         config = parse_config({"compression": comp,
                                "pool": {"swap_out_path": os.path.join(run_dir, "swapfile")},
                                "device": {"size": self.opts.swap_size, "run_dir": run_dir}})
