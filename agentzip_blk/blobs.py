@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import tables
+
 POOL = 0
 DISK = 1
 
@@ -47,6 +49,12 @@ class BlobTable:
     @property
     def nbytes(self) -> int:
         return self.capacity * ROW_BYTES + self.members.nbytes
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the rows ever handed out: the columns are zero-filled lazily, so rows
+        above that cost nothing (even when a full-table scan has read them)."""
+        return self._next_unused * (ROW_BYTES + self.members.shape[1] * 8)
 
     def arrays(self) -> list[np.ndarray]:
         return [getattr(self, name) for name in _COLUMNS] + [self.members]
@@ -93,10 +101,10 @@ class BlobTable:
     def _grow(self, capacity: int) -> None:
         for name in _COLUMNS:
             old = getattr(self, name)
-            new = np.zeros(capacity, dtype=old.dtype)
+            new = tables.zeros(capacity, old.dtype)
             new[: len(old)] = old
             setattr(self, name, new)
-        members = np.zeros((capacity, self.members.shape[1]), dtype=np.uint64)
+        members = tables.zeros((capacity, self.members.shape[1]), np.uint64)
         members[: len(self.members)] = self.members
         self.members = members
         self.capacity = capacity

@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from . import tables
+
 _EMPTY = 0
 _TOMBSTONE = 1
 _MAX_LOAD = 0.6
@@ -27,8 +29,8 @@ class DedupIndex:
         self._alloc(max(16, 1 << (capacity - 1).bit_length()))
 
     def _alloc(self, capacity: int) -> None:
-        self._keys = np.zeros(capacity, dtype=np.uint64)
-        self._vals = np.zeros(capacity, dtype=np.int32)
+        self._keys = tables.zeros(capacity, np.uint64)
+        self._vals = tables.zeros(capacity, np.int32)
         self._mask = capacity - 1
         self.count = 0
         self._tombstones = 0

@@ -36,6 +36,7 @@ import numpy as np
 import xxhash
 
 from . import codec as codecs
+from . import tables
 from .blobs import DISK, POOL, BlobTable
 from .codec import CodecError, CodecSet, make_codec
 from .config import MAX_UNIT_PAGES
@@ -59,6 +60,7 @@ _DEMOTE_CHUNK = 512
 _FEW_PAGES = 8  # requests up to this many pages take the scalar read path  # blobs moved per lock hold, so requests wait at most one chunk
 _SUB_BITS = 5  # dedup index value: blob id << _SUB_BITS | page in the blob
 _UNIT_CACHE_UNITS = 8  # decompressed units kept for the reads of their other pages
+CHUNK_SLOTS = 512  # slot-table bookkeeping unit: one page of `handle`, one swap cluster
 
 _MASK64 = (1 << 64) - 1
 
@@ -164,10 +166,17 @@ class PageStore:
         self.size = size
         self.page_size = page_size
         self.nslots = size // page_size
-        self.kind = np.zeros(self.nslots, dtype=np.uint8)
-        self.handle = np.zeros(self.nslots, dtype=np.uint64)
-        self.sub = np.zeros(self.nslots, dtype=np.uint8)  # page within a multi-page blob
-        self.slot_rtime = np.zeros(self.nslots, dtype=np.uint32)  # for ping-pong
+        self.kind = tables.zeros(self.nslots, np.uint8)
+        self.handle = tables.zeros(self.nslots, np.uint64)
+        self.sub = tables.zeros(self.nslots, np.uint8)  # page within a multi-page blob
+        self.slot_rtime = tables.zeros(self.nslots, np.uint32)  # for ping-pong
+        self._slot_bytes = sum(a.itemsize for a in (self.kind, self.handle, self.sub, self.slot_rtime))
+        # Slots in use per chunk, and chunks ever written. The tables above are zero-filled
+        # lazily by the kernel: a chunk costs memory once written, and a discard of the whole
+        # device (swapon, a sandbox's exit) must not write, or even read, chunks never used.
+        nchunks = -(-self.nslots // CHUNK_SLOTS)
+        self._chunk_live = np.zeros(nchunks, dtype=np.int32)
+        self._chunk_touched = np.zeros(nchunks, dtype=bool)
         self.unit_pages = unit_pages
         writer = make_codec(algorithm, level, page_size)
         # Units get their own compressor: zstd sizes its window from the frame size it is
@@ -334,7 +343,6 @@ class PageStore:
         if offset % page:
             self._write(zeros[: inner_first * page - offset], offset)
         self._release_slots(inner_first, inner_end - inner_first)
-        self.slot_rtime[inner_first:inner_end] = 0
         if end % page:
             self._write(zeros[: end - inner_end * page], inner_end * page)
 
@@ -383,6 +391,24 @@ class PageStore:
         self.kind[first : first + count] = new_kind
         self.handle[first : first + count] = new_handle
         self.sub[first : first + count] = new_sub
+        c0, c1 = first // CHUNK_SLOTS, -(-(first + count) // CHUNK_SLOTS)
+        self._chunk_touched[c0:c1] = True
+        for chunk in range(c0, c1):
+            self._chunk_live[chunk] = np.count_nonzero(
+                self.kind[chunk * CHUNK_SLOTS : (chunk + 1) * CHUNK_SLOTS])
+
+    def _used_slots(self) -> np.ndarray:
+        """Indices of the non-empty slots, reading only chunks in use."""
+        chunks = np.flatnonzero(self._chunk_live)
+        if not len(chunks):
+            return np.zeros(0, dtype=np.int64)
+        idx = (chunks[:, None] * CHUNK_SLOTS + np.arange(CHUNK_SLOTS)).ravel()
+        idx = idx[idx < self.nslots]
+        return idx[self.kind[idx] != EMPTY]
+
+    def _blob_slots(self) -> np.ndarray:
+        used = self._used_slots()
+        return used[self.kind[used] == BLOB]
 
     def _place(self, pages: list[memoryview], now: int, choice: Choice,
                placed: list[tuple[int, int]], staged: list[int]) -> None:
@@ -549,7 +575,17 @@ class PageStore:
         blobs.delete(blob)
 
     def _release_slots(self, first: int, count: int) -> None:
-        """Drop what the slots hold (before they are overwritten or emptied)."""
+        """Drop what the slots hold (before they are overwritten or emptied), visiting only
+        chunks that hold something."""
+        c0, c1 = first // CHUNK_SLOTS, -(-(first + count) // CHUNK_SLOTS)
+        for chunk in (c0 + np.flatnonzero(self._chunk_live[c0:c1])).tolist():
+            lo = max(first, chunk * CHUNK_SLOTS)
+            hi = min(first + count, (chunk + 1) * CHUNK_SLOTS)
+            self._release_run(lo, hi - lo)
+            self._chunk_live[chunk] = np.count_nonzero(
+                self.kind[chunk * CHUNK_SLOTS : (chunk + 1) * CHUNK_SLOTS])
+
+    def _release_run(self, first: int, count: int) -> None:
         kinds = self.kind[first : first + count]
         self.same_pages -= int(np.count_nonzero(kinds == SAME))
         held = np.flatnonzero(kinds == BLOB)
@@ -563,6 +599,7 @@ class PageStore:
         kinds[:] = EMPTY
         self.handle[first : first + count] = 0
         self.sub[first : first + count] = 0
+        self.slot_rtime[first : first + count] = 0
 
     def _stored_bytes(self, blob: int) -> bytes:
         blobs = self.blobs
@@ -756,7 +793,8 @@ class PageStore:
                                     & (2 * ref <= blobs.pages[:n]))[:limit]
             if not len(sparse):
                 return 0
-            held = np.flatnonzero((self.kind == BLOB) & np.isin(self.handle, sparse.astype(np.uint64)))
+            held = self._blob_slots()
+            held = held[np.isin(self.handle[held], sparse.astype(np.uint64))]
             slots_of: dict[int, list[int]] = {}
             for slot in held.tolist():
                 slots_of.setdefault(int(self.handle[slot]), []).append(slot)
@@ -867,14 +905,23 @@ class PageStore:
         """Everything held in memory besides pool arenas. The big preallocated tables count
         their resident pages (mincore): a slot table for 8 GiB of device costs only the part
         the kernel's swap allocator has used."""
-        tables = [self.kind, self.handle, self.sub, self.slot_rtime, *self.blobs.arrays(),
-                  *self.index.arrays()]
-        return (
-            sum(array_resident_bytes(a) for a in tables)
-            + self.codecs.memory_bytes()
-            + self.pool.meta_bytes()
-            + (self.disk.meta_bytes() if self.disk else 0)
-        )
+        return sum(self.meta_parts().values())
+
+    def meta_parts(self) -> dict[str, int]:
+        def resident(arrays) -> int:
+            return sum(array_resident_bytes(a) for a in arrays)
+
+        return {
+            # chunks ever written, not mincore: reading a never-written part of these tables
+            # maps the kernel's zero page, which mincore reports but costs nothing
+            "slot_table": int(self._chunk_touched.sum()) * CHUNK_SLOTS * self._slot_bytes,
+            "blob_table": self.blobs.used_bytes,
+            "dedup_index": resident(self.index.arrays()),
+            "codecs": self.codecs.memory_bytes()
+            + (self.unit_codec.memory_bytes() if self.unit_codec else 0),
+            "pool_books": self.pool.meta_bytes(),
+            "disk_books": self.disk.meta_bytes() if self.disk else 0,
+        }
 
     def stored_mem(self) -> int:
         return self.pool.resident_bytes + self.meta_bytes() + self._cache_bytes()
@@ -893,7 +940,7 @@ class PageStore:
         orig = pages * page
         stored = self.stored_mem()
         blobs = self.blobs
-        held = self.kind == BLOB
+        held = self._blob_slots()
         slot_blobs = self.handle[held].astype(np.int64)
         pages_held = self._pages_held(slot_blobs, self.sub[held])
         tier_pages = np.bincount(blobs.tier[slot_blobs], minlength=2)
@@ -932,6 +979,7 @@ class PageStore:
             "fragmentation": round(self.fragmentation(), 4),
             "compressed_bytes": int(lengths[live].sum()),
             "meta_bytes": self.meta_bytes(),
+            "meta": self.meta_parts(),
             "hot_cache_bytes": self._cache_bytes(),
             "max_size": self.pool.max_size,
             "reclaim_bytes": self.reclaim_bytes,
@@ -1018,6 +1066,10 @@ class PageStore:
             assert (self.sub[held] < blobs.pages[blob_slots]).all(), "slot names a missing page"
             assert not self.sub[~held].any()
             assert self.same_pages == int(np.count_nonzero(self.kind == SAME))
+            per_chunk = np.add.reduceat((self.kind != EMPTY).astype(np.int32),
+                                        np.arange(0, self.nslots, CHUNK_SLOTS))
+            assert np.array_equal(per_chunk, self._chunk_live), "chunk counts disagree"
+            assert not (self._chunk_live > 0)[~self._chunk_touched].any()
             assert int(self.codec_pages.sum()) == len(blob_slots)
             in_pool = live & (blobs.tier == POOL)
             assert self.pool.live_cells == int(in_pool.sum()), "pool cells leak"

@@ -246,3 +246,26 @@ def test_pool_memory_is_counted_as_the_kernel_sees_it(unit_pages: int):
     assert seen <= stats["pool_resident_bytes"] <= seen + arenas * PAGE
     assert stats["pool_live_bytes"] <= stats["pool_resident_bytes"] < stats["pool_bytes"]
     store.check()
+
+
+def test_the_slot_table_costs_only_the_chunks_in_use():
+    """A 4 GiB device has 14 MiB of slot table; pages written at a few places cost a few
+    table pages, and neither a whole-device discard (what swapon and a sandbox's exit send)
+    nor stats may fault in the rest."""
+    from agentzip_blk.protect import array_resident_bytes
+    from agentzip_blk.store import CHUNK_SLOTS
+
+    size = 4 << 30
+    store = PageStore(size, max_size=64 << 20)
+    slots = [0, 5000, 700000, 1048574]
+    for slot in slots:
+        store.write(page_content("text", slot) + page_content("same", slot), slot * PAGE)
+    store.trim(0, size)
+    store.write(page_content("text", 1), 123456 * PAGE)
+    stats = store.stats()
+    touched = {s // CHUNK_SLOTS for s in slots} | {(s + 1) // CHUNK_SLOTS for s in slots} | {123456 // CHUNK_SLOTS}
+    assert stats["meta"]["slot_table"] == len(touched) * CHUNK_SLOTS * 14
+    assert array_resident_bytes(store.handle) == len(touched) * PAGE  # a chunk: one page
+    assert stats["pages"] == 1
+    assert store.read(123456 * PAGE, PAGE) == page_content("text", 1)
+    assert store.read(5000 * PAGE, 2 * PAGE) == bytes(2 * PAGE)

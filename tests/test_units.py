@@ -1,238 +1,162 @@
-"""Multi-page compression units (`compression.unit_pages`): a unit holds the new pages of a
-request compressed together; every slot stays independently readable, writable and
-trimmable, and the unit is freed with its last page. Every read is compared byte for byte."""
-
-from __future__ import annotations
-
-import random
+import math
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from agentzip_blk.blobs import DISK
-from agentzip_blk.codec import CodecError
-from agentzip_blk.store import BLOB, PageStore, Tiering
+from agentzip_blk.units import format_bytes, parse_duration, parse_size
 
-PAGE = 4096
-DEVICE = 256 * PAGE
-
-
-def text_page(seed: int) -> bytes:
-    """Compressible, unique per seed, and similar to its neighbours (what units exploit)."""
-    rnd = random.Random(seed)
-    words = [b'{"role": "tool",', b'"content":', b'"result"', b"value", b"42,", b"\\n", str(seed).encode()]
-    return b" ".join(rnd.choice(words) for _ in range(PAGE))[:PAGE]
+KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 
 
-def pages(first_seed: int, n: int) -> bytes:
-    return b"".join(text_page(first_seed + i) for i in range(n))
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (0, 0),
+        (100, 100),
+        ("100", 100),
+        ("0", 0),
+        ("512B", 512),
+        ("4K", 4 * KiB),
+        ("4k", 4 * KiB),
+        ("4KB", 4 * KiB),
+        ("4KiB", 4 * KiB),
+        ("4kib", 4 * KiB),
+        ("512MiB", 512 * MiB),
+        ("512M", 512 * MiB),
+        ("8GB", 8 * GiB),  # binary on purpose, like free/zramctl
+        ("8G", 8 * GiB),
+        ("8gib", 8 * GiB),
+        ("1.5G", 3 * GiB // 2),
+        ("1T", TiB),
+        ("2TB", 2 * TiB),
+        ("1P", 1 << 50),
+        (" 8 GB ", 8 * GiB),
+        (".5K", 512),
+        ("1.", 1),
+        ("0.1K", 102),  # fractional bytes round down
+        (4096.0, 4096),
+    ],
+)
+def test_parse_size_valid(value, expected):
+    result = parse_size(value)
+    assert result == expected
+    assert type(result) is int
 
 
-def store(unit_pages: int = 4, **kw) -> PageStore:
-    return PageStore(DEVICE, max_size=64 << 20, unit_pages=unit_pages, **kw)
+@pytest.mark.parametrize(
+    "value",
+    [-1, "-1", "-4K", " -1G", -1.5, "", "   ", "abc", "8XB", "GB", "K4", "1.2.3", "4 K B", "1,5G",
+     "nan", "inf", float("nan"), float("inf"), 1.5, True, False, None, [4096], {"a": 1}, "٣K"],
+)
+def test_parse_size_invalid(value):
+    with pytest.raises(ValueError):
+        parse_size(value)
 
 
-def read_pages(st: PageStore, slot: int, n: int) -> bytes:
-    return bytes(st.read(slot * PAGE, n * PAGE))
+def test_parse_size_error_names_value():
+    with pytest.raises(ValueError, match="'8XB'"):
+        parse_size("8XB")
+    with pytest.raises(ValueError, match="negative"):
+        parse_size("-4K")
 
 
-def test_a_request_becomes_units_and_reads_back():
-    st = store(4)
-    data = pages(0, 10)
-    st.write(data, 0)
-    stats = st.stats()
-    assert stats["units"] == 3  # 4 + 4, and the last 2 pages as a 2-page unit
-    assert stats["units_written"] == 3
-    assert stats["unique_blobs"] == 3
-    assert stats["pages"] == 10
-    for i in range(10):  # page by page, in an order that crosses unit boundaries
-        j = (i * 7) % 10
-        assert read_pages(st, j, 1) == data[j * PAGE : (j + 1) * PAGE]
-    assert read_pages(st, 0, 10) == data
-    st.check()
+@given(st.integers(min_value=0, max_value=1 << 62))
+def test_parse_size_plain_numbers(n):
+    assert parse_size(n) == n
+    assert parse_size(str(n)) == n
 
 
-def test_units_store_less_than_single_pages():
-    data = pages(0, 64)
-    single, unit = store(1), store(8)
-    single.write(data, 0)
-    unit.write(data, 0)
-    assert unit.stats()["compressed_bytes"] < single.stats()["compressed_bytes"]
-    assert read_pages(unit, 0, 64) == data
+@given(
+    st.integers(min_value=0, max_value=1 << 20),
+    st.sampled_from([("k", KiB), ("m", MiB), ("g", GiB), ("t", TiB)]),
+    st.sampled_from(["", "b", "ib"]),
+    st.booleans(),
+)
+def test_parse_size_units_any_case(n, unit, suffix, upper):
+    letter, factor = unit
+    text = f"{n}{letter}{suffix}"
+    assert parse_size(text.upper() if upper else text) == n * factor
 
 
-def test_overwrite_inside_a_unit_keeps_the_others_and_the_last_page_frees_it():
-    st = store(4)
-    data = bytearray(pages(0, 4))
-    st.write(bytes(data), 0)
-    blob = int(st.handle[0])
-    new = text_page(1000)
-    st.write(new, 2 * PAGE)
-    data[2 * PAGE : 3 * PAGE] = new
-    assert read_pages(st, 0, 4) == data
-    stats = st.stats()
-    assert stats["unit_dead_pages"] == 1  # the overwritten page still sits in the unit
-    assert int(st.blobs.ref[blob]) == 3
-    st.check()
-    for slot in (0, 1, 3):
-        st.write(text_page(2000 + slot), slot * PAGE)
-    assert st.blobs.ref[blob] == 0  # freed with its last page
-    stats = st.stats()
-    assert stats["units"] == 0 and stats["unit_dead_pages"] == 0
-    st.check()
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("30s", 30.0),
+        ("500ms", 0.5),
+        ("2m", 120.0),
+        ("1h", 3600.0),
+        ("100", 100.0),
+        ("1.5s", 1.5),
+        ("250us", 0.00025),
+        ("1d", 86400.0),
+        (" 2 min ", 120.0),
+        ("0", 0.0),
+        (5, 5.0),
+        (0.25, 0.25),
+    ],
+)
+def test_parse_duration_valid(value, expected):
+    result = parse_duration(value)
+    assert result == pytest.approx(expected)
+    assert type(result) is float
 
 
-def test_unaligned_write_into_a_unit_is_read_modify_write():
-    st = store(4)
-    data = bytearray(pages(0, 4))
-    st.write(bytes(data), 0)
-    st.write(b"X" * 100, PAGE + 4000)  # crosses from page 1 into page 2
-    data[PAGE + 4000 : PAGE + 4100] = b"X" * 100
-    assert read_pages(st, 0, 4) == data
-    st.check()
+@pytest.mark.parametrize(
+    "value", [-1, -0.5, "-1s", "", "abc", "5x", "s", "1.2.3s", "nan", float("nan"), float("inf"), True, None, [1]]
+)
+def test_parse_duration_invalid(value):
+    with pytest.raises(ValueError):
+        parse_duration(value)
 
 
-def test_trim_inside_a_unit_then_everything_returns_to_zero():
-    st = store(4)
-    data = bytearray(pages(0, 8))
-    st.write(bytes(data), 0)
-    st.trim(PAGE, 2 * PAGE)
-    data[PAGE : 3 * PAGE] = bytes(2 * PAGE)
-    assert read_pages(st, 0, 8) == data
-    st.check()
-    st.trim(0, 8 * PAGE)
-    stats = st.stats()
-    assert stats["pages"] == stats["unique_blobs"] == stats["units"] == 0
-    assert stats["pool_bytes"] == 0
-    st.check()
+@given(st.integers(min_value=0, max_value=10**9))
+def test_parse_duration_ms(n):
+    assert parse_duration(f"{n}ms") == pytest.approx(n / 1000)
+    assert parse_duration(n) == n
 
 
-def test_a_page_equal_to_one_inside_a_unit_shares_it_and_keeps_it_alive():
-    st = store(4)
-    data = pages(0, 4)
-    st.write(data, 0)
-    twin = data[2 * PAGE : 3 * PAGE]
-    st.write(twin, 100 * PAGE)
-    stats = st.stats()
-    assert stats["dedup_hits"] == 1
-    assert stats["shared_pages"] == 2
-    assert stats["dedup_saved_pages"] == 1
-    assert st.handle[100] == st.handle[2] and st.sub[100] == st.sub[2] == 2
-    st.trim(0, 4 * PAGE)  # the unit's own slots go; the twin keeps it
-    assert read_pages(st, 100, 1) == twin
-    assert st.stats()["unit_dead_pages"] == 3
-    st.check()
-    st.trim(100 * PAGE, PAGE)
-    assert st.stats()["pool_bytes"] == 0
-    st.check()
+@pytest.mark.parametrize(
+    "n, expected",
+    [
+        (0, "0B"),
+        (1, "1B"),
+        (512, "512B"),
+        (1023, "1023B"),
+        (1024, "1K"),
+        (4096, "4K"),
+        (1536, "1.5K"),
+        (3 * MiB // 2, "1.5M"),
+        (int(2.3 * GiB), "2.3G"),
+        (10 * GiB, "10G"),
+        (int(10.4 * KiB), "10K"),
+        (int(9.96 * KiB), "10K"),
+        (int(9.94 * KiB), "9.9K"),
+        (1023 * KiB + 1000, "1M"),  # 1023.98K rounds up into the next unit, not "1024K"
+        (GiB - 1, "1G"),
+        (5 * TiB, "5T"),
+    ],
+)
+def test_format_bytes(n, expected):
+    assert format_bytes(n) == expected
 
 
-def test_equal_pages_within_one_request_are_stored_once():
-    st = store(4)
-    a, b = text_page(1), text_page(2)
-    data = a + b + a + a + b + text_page(3)
-    st.write(data, 0)
-    stats = st.stats()
-    assert stats["dedup_hits"] == 3
-    assert stats["unique_blobs"] == 1 and stats["units"] == 1
-    assert int(st.blobs.pages[int(st.handle[0])]) == 3
-    assert read_pages(st, 0, 6) == data
-    st.check()
+@pytest.mark.parametrize("n", [-1, True, 1.5, "10"])
+def test_format_bytes_invalid(n):
+    with pytest.raises((ValueError, TypeError)):
+        format_bytes(n)
 
 
-def test_pages_that_do_not_compress_together_are_stored_alone():
-    st = store(4)
-    data = random.Random(5).randbytes(4 * PAGE)
-    st.write(data, 0)
-    stats = st.stats()
-    assert stats["unit_fallbacks"] == 1
-    assert stats["units"] == 0 and stats["raw_pages"] == 4
-    assert read_pages(st, 0, 4) == data
-    st.check()
+def test_format_bytes_numpy_int():
+    np = pytest.importorskip("numpy")
+    assert format_bytes(np.int64(4096)) == "4K"
 
 
-def test_a_units_other_pages_are_read_from_the_unit_cache():
-    st = store(8)
-    data = pages(0, 8)
-    st.write(data, 0)
-    for i in range(8):
-        assert read_pages(st, i, 1) == data[i * PAGE : (i + 1) * PAGE]
-    assert st.stats()["unit_hits"] == 7  # one decompression for the eight reads
-
-
-@pytest.mark.parametrize("algorithm,level", [("lz4", 1), ("lz4hc", 9), ("zstd", 19)])
-def test_units_with_every_codec(algorithm: str, level: int):
-    st = store(4, algorithm=algorithm, level=level)
-    data = pages(0, 9)
-    st.write(data, 0)
-    assert st.stats()["units"] == 2  # 4 + 4; the ninth page alone
-    st.units = type(st.units)(0)  # no cached copies: decode from the pool every time
-    assert read_pages(st, 0, 9) == data
-    st.check()
-
-
-def test_a_unit_decoded_to_the_wrong_size_is_an_error():
-    st = store(4)
-    st.write(pages(0, 4), 0)
-    blob = int(st.handle[0])
-    st.blobs.pages[blob] = 3  # the books now disagree with the stored frame
-    st.units = type(st.units)(0)
-    with pytest.raises(CodecError):
-        st.read(0, PAGE)
-
-
-def test_units_in_the_disk_tier_read_back_and_come_home(tmp_path):
-    now = [100.0]
-    tiering = Tiering(max_size=96 * 1024, reclaim_threshold=50,
-                      swap_out_path=str(tmp_path / "disk-tier"), cold_grace_period=1.0)
-    st = PageStore(DEVICE, tiering=tiering, clock=lambda: now[0], unit_pages=4)
-    data = pages(0, 200)  # more than the pool: later units go straight to disk
-    st.write(data, 0)
-    stats = st.stats()
-    assert stats["direct_to_disk"] > 0 and stats["tiers"]["disk"]["pages"] > 0
-    now[0] += 5
-    st.maintain()  # demotes cold units
-    assert st.stats()["demotions"] > 0
-    st.check()
-    st.units = type(st.units)(0)
-    assert read_pages(st, 0, 200) == data
-    on_disk = [s for s in range(200) if st.blobs.tier[int(st.handle[s])] == DISK]
-    in_pool = [s for s in range(200) if st.blobs.tier[int(st.handle[s])] != DISK]
-    assert on_disk and in_pool
-    for slot in in_pool:  # room in the pool: reads of disk units now bring them back
-        st.trim(slot * PAGE, PAGE)
-    promotions = st.stats()["promotions"]
-    for slot in on_disk:
-        assert read_pages(st, slot, 1) == data[slot * PAGE : (slot + 1) * PAGE]
-    assert st.stats()["promotions"] > promotions
-    st.check()
-    st.close()
-
-
-def test_bad_unit_sizes_rejected():
-    for bad in (0, 17):
-        with pytest.raises(ValueError):
-            PageStore(DEVICE, unit_pages=bad)
-
-
-def test_sparse_units_are_rewritten_without_their_dead_pages():
-    st = store(8)
-    data = bytearray(pages(0, 16))
-    st.write(bytes(data), 0)
-    st.write(data[3 * PAGE : 4 * PAGE], 200 * PAGE)  # a second slot on page 3 of unit 1
-    data += bytes(0)
-    for slot in (0, 1, 2, 4, 5):  # unit 1 keeps pages 3, 6, 7 (and the twin of 3)
-        st.trim(slot * PAGE, PAGE)
-        data[slot * PAGE : (slot + 1) * PAGE] = bytes(PAGE)
-    st.write(text_page(999), 9 * PAGE)  # unit 2 loses one page: not sparse, left alone
-    data[9 * PAGE : 10 * PAGE] = text_page(999)
-    before = st.stats()
-    assert before["unit_dead_pages"] == 5 + 1
-    assert st.maintain()["units_rewritten"] == 1
-    after = st.stats()
-    assert after["unit_dead_pages"] == 1
-    assert after["compressed_bytes"] < before["compressed_bytes"]
-    assert after["shared_pages"] == 2  # slots 3 and 200 still share one page
-    assert read_pages(st, 0, 16) == data[: 16 * PAGE]
-    assert read_pages(st, 200, 1) == data[3 * PAGE : 4 * PAGE]
-    st.check()
-    assert st.maintain()["units_rewritten"] == 0
+@given(st.integers(min_value=0, max_value=1 << 62))
+def test_format_bytes_round_trips_within_rounding(n):
+    text = format_bytes(n)
+    # two significant digits below 10 and integers above: at most 5% off, and always parseable
+    assert math.isclose(parse_size(text), n, rel_tol=0.05, abs_tol=1)
+    number = text[:-1]
+    assert not number.endswith(".0")
+    assert float(number) < 1024

@@ -87,6 +87,64 @@ def headline(doc: dict) -> list[str]:
             f"slowdowns and latencies move by tens of percent between runs, ratios by up to ~10%.", ""]
 
 
+# The fast-path issue's goals, per workload, each against zram lz4 in the same run.
+TARGET_RATIO = 1.75  # device ratio, x zram lz4's
+TARGET_SPEED = 0.5  # swap-out and swap-in throughput, x zram lz4's
+TARGET_P99_US = 100.0  # 4 KiB fault through the whole chain
+
+
+def _speeds(c: dict) -> tuple[float | None, float | None]:
+    """Swap-out MiB/s (pages written during the squeeze / its wall time) and swap-in MiB/s
+    (pages read back during the CHECK pass's touch / its wall time)."""
+    out_s = (c.get("squeeze") or {}).get("seconds")
+    in_s = (c.get("check") or {}).get("touch_s")
+    mib = 1 << 20
+    return (_rel(c.get("swapped_out", 0) / mib, out_s), _rel(c.get("swapped_in", 0) / mib, in_s))
+
+
+def _met(ok) -> str:
+    return "-" if ok is None else ("**met**" if ok else "missed")
+
+
+def targets(doc: dict, cfg: str = OURS) -> list[str]:
+    """Per workload: our figure, zram lz4's in the same run, the ratio, and whether the
+    fast-path target is met."""
+    rows = []
+    for w in doc["workloads"].values():
+        us, z = w.get("configs", {}).get(cfg, {}), w.get("configs", {}).get(ZRAM_BASE, {})
+        if not us or us.get("error") or not z or z.get("error"):
+            continue
+        r = _rel(us.get("ratio_device"), z.get("ratio_device"))
+        (uo, ui), (zo, zi) = _speeds(us), _speeds(z)
+        lat, zlat = us.get("latency", {}), z.get("latency", {})
+        p99 = lat.get("p99_us")
+        rows.append(
+            f"| {w['key']} | {_x(us.get('ratio_device'))} / {_x(z.get('ratio_device'))} = "
+            f"{_x(r)} ({_met(r >= TARGET_RATIO if r else None)}) "
+            f"| {_f(uo)} / {_f(zo)} = {_x(_rel(uo, zo))} ({_met((_rel(uo, zo) or 0) >= TARGET_SPEED)}) "
+            f"| {_f(ui)} / {_f(zi)} = {_x(_rel(ui, zi))} ({_met((_rel(ui, zi) or 0) >= TARGET_SPEED)}) "
+            f"| {_us(lat.get('p50_us'))} / {_us(p99)} / {_us(lat.get('p999_us'))} "
+            f"({_met(p99 <= TARGET_P99_US if p99 is not None else None)}) "
+            f"| {_us(zlat.get('p50_us'))} / {_us(zlat.get('p99_us'))} / {_us(zlat.get('p999_us'))} "
+            f"| {_f(us.get('swap_cpu_s_per_gib'))} / {_f(z.get('swap_cpu_s_per_gib'))} = "
+            f"{_x(_rel(us.get('swap_cpu_s_per_gib'), z.get('swap_cpu_s_per_gib')))} |")
+    if not rows:
+        return []
+    return ["### Fast-path targets per workload (" + cfg + " vs zram lz4, same run)", "",
+            f"Targets: device ratio >= {TARGET_RATIO}x zram lz4's; swap-out and swap-in throughput "
+            f">= {TARGET_SPEED}x zram lz4's; 4 KiB fault latency p99 <= {TARGET_P99_US:.0f} µs.", "",
+            "| workload | device ratio: ours / zram = × | swap-out MiB/s: ours / zram = × "
+            "| swap-in MiB/s: ours / zram = × | fault µs p50 / p99 / p99.9: ours "
+            "| zram | swap CPU s per GiB: ours / zram = × |",
+            "|---|---|---|---|---|---|---|", *rows, "",
+            "*device ratio*: orig/stored as in the tables below. *swap-out*: bytes written to swap "
+            "during the squeeze / its wall time (the kernel reclaims synchronously inside the limit "
+            "writes). *swap-in*: bytes read back from swap during the CHECK pass's page touch / its "
+            "wall time (one thread, faults with the kernel's swap readahead). *fault*: single-page "
+            "faults on swapped pages, one at a time (the probe described below). *swap CPU*: as "
+            "below, per GiB swapped out plus in.", ""]
+
+
 def _field_reached(doc: dict) -> str:
     """Which workloads reach the field report's ratio with some agentzip-blk configuration."""
     reached = [w["key"] for w in doc["workloads"].values()
@@ -135,6 +193,7 @@ def markdown(doc: dict) -> str:
           f"all of its data (CHECK). Same pages, same run, for every configuration.", ""]
 
     L += headline(doc)
+    L += targets(doc)
 
     # -- the field report's table per workload ------------------------------------------------
     L += ["### Per workload (the field report's table)", "",
