@@ -3,7 +3,7 @@ together), shared by every slot that holds one of its pages.
 
 Columns are numpy arrays indexed by blob id (no Python object per blob). Free rows form an
 intrusive list through the `arena` column, so freed ids cost nothing to remember. With
-multi-page units, `members` holds the dedup key of each page of a unit (a row of
+multi-page units, `members` holds the dedup index key of each page of a unit (a row of
 `unit_pages` keys per blob), so the index entries of its pages can be removed with it.
 """
 
@@ -40,7 +40,7 @@ class BlobTable:
         self.unit_pages = unit_pages
         for name, dtype in _COLUMNS.items():
             setattr(self, name, np.zeros(0, dtype=dtype))
-        self.members = np.zeros((0, unit_pages if unit_pages > 1 else 0), dtype=np.uint64)
+        self.members = np.zeros((0, unit_pages if unit_pages > 1 else 0), dtype=np.uint32)
         self._grow(capacity)
         self._free_head = -1
         self._next_unused = 0
@@ -54,7 +54,7 @@ class BlobTable:
     def used_bytes(self) -> int:
         """Bytes of the rows ever handed out: the columns are zero-filled lazily, so rows
         above that cost nothing (even when a full-table scan has read them)."""
-        return self._next_unused * (ROW_BYTES + self.members.shape[1] * 8)
+        return self._next_unused * (ROW_BYTES + self.members.nbytes // max(1, self.capacity))
 
     def arrays(self) -> list[np.ndarray]:
         return [getattr(self, name) for name in _COLUMNS] + [self.members]
@@ -104,7 +104,7 @@ class BlobTable:
             new = tables.zeros(capacity, old.dtype)
             new[: len(old)] = old
             setattr(self, name, new)
-        members = tables.zeros((capacity, self.members.shape[1]), np.uint64)
+        members = tables.zeros((capacity, self.members.shape[1]), np.uint32)
         members[: len(self.members)] = self.members
         self.members = members
         self.capacity = capacity

@@ -53,7 +53,7 @@ class CompressionConfig:
     dictionary: str | list[str] = "auto"  # "auto" | "prebuilt" | "none" | list of names
     page_size: int = SUPPORTED_PAGE_SIZE
     # pages compressed together (adjacent new pages of one write request); 1 = each alone
-    unit_pages: int = 1
+    unit_pages: int = 16
 
 
 @dataclass

@@ -139,6 +139,21 @@ def _ticks(seconds: float) -> int:
     return int(seconds * TICKS_PER_SECOND)
 
 
+class _Chooser:
+    """The request's encoder for pages compressed alone (a dictionary or none), picked from
+    a sample page of the request, and only when the first such page comes: a request whose
+    pages all go into units pays no selection trials."""
+
+    def __init__(self, dicts: StoreDictionaries, pages: list[memoryview]) -> None:
+        self._dicts, self._pages = dicts, pages
+        self._choice: Choice | None = None
+
+    def get(self) -> Choice:
+        if self._choice is None:
+            self._choice = self._dicts.choose(self._pages)
+        return self._choice
+
+
 class PageStore:
     def __init__(
         self,
@@ -361,12 +376,10 @@ class PageStore:
         disk_before = self.disk.writes if self.disk else 0
         todo = np.flatnonzero(~same).tolist()
         pages = [data[i * page : (i + 1) * page] for i in todo]
-        # One encoder (dictionary or none) for the whole request, from a sample page of it.
         self.dicts.maybe_collect(self.blobs)
-        choice = self.dicts.choose(pages)
         placed: list[tuple[int, int]] = [(0, 0)] * len(pages)  # (blob, page in blob)
         try:
-            self._place(pages, now, choice, placed, staged)
+            self._place(pages, now, placed, staged)
             if self.disk and self.disk.writes != disk_before:
                 # Inside the try: a failed write-back fails the request and releases its
                 # staged blobs (they used to leak, with no slot referring to them).
@@ -410,7 +423,7 @@ class PageStore:
         used = self._used_slots()
         return used[self.kind[used] == BLOB]
 
-    def _place(self, pages: list[memoryview], now: int, choice: Choice,
+    def _place(self, pages: list[memoryview], now: int,
                placed: list[tuple[int, int]], staged: list[int]) -> None:
         """Find or store a home for each page: an equal page already stored (any blob, any
         page of a unit), an equal page earlier in this request, or a new blob. Fills
@@ -433,8 +446,9 @@ class PageStore:
                 first_of[digest] = n
                 fresh.append(n)
         step = self.unit_pages
+        chooser = _Chooser(self.dicts, pages)
         for start in range(0, len(fresh), step):
-            self._store_group(fresh[start : start + step], pages, hashes, now, choice,
+            self._store_group(fresh[start : start + step], pages, hashes, now, chooser,
                               placed, staged)
         for n, earlier in repeats:
             blob = placed[earlier][0]
@@ -464,35 +478,36 @@ class PageStore:
         return None
 
     def _store_group(self, group: list[int], pages: list[memoryview],
-                     hashes: list[tuple[int, int]], now: int, choice: Choice,
+                     hashes: list[tuple[int, int]], now: int, chooser: _Chooser | None,
                      placed: list[tuple[int, int]], staged: list[int]) -> None:
         """Store the pages at positions `group`: as one unit when there are several and
         they compress well enough together, else one blob per page."""
         if len(group) > 1:
+            # No dictionary for units: their own earlier pages are a better one, so the
+            # dictionary trainer only sees pages compressed alone.
             compressed = self.unit_codec.compress(b"".join(pages[n] for n in group))
-            for n in group:
-                self.dicts.observe(pages[n])
             if len(compressed) <= len(group) * MAX_COMPRESSED:
                 blob = self._new_blob(compressed, self.unit_codec.id, 0, 0, 0, now, len(group))
                 self.blobs.ref[blob] = len(group)
                 for sub, n in enumerate(group):
                     lo = hashes[n][0]
-                    self.blobs.members[blob, sub] = lo
-                    self.index.insert(index_key(lo), blob << _SUB_BITS | sub)
+                    key = index_key(lo)
+                    self.blobs.members[blob, sub] = key
+                    self.index.insert(key, blob << _SUB_BITS | sub)
                     placed[n] = (blob, sub)
                     staged.append(blob)
                 self.counters.units_written += 1
                 return
             self.counters.unit_fallbacks += 1
         for n in group:
+            choice = chooser.get() if chooser is not None else None
             sample = choice.sample_out if choice is not None and n == choice.sample else None
-            blob = self._store_page(pages[n], hashes[n], now, choice, sample, observed=len(group) > 1)
+            blob = self._store_page(pages[n], hashes[n], now, choice, sample)
             placed[n] = (blob, 0)
             staged.append(blob)
 
     def _store_page(self, page: memoryview, digest: tuple[int, int], now: int,
-                    choice: Choice | None, compressed: bytes | None = None,
-                    observed: bool = False) -> int:
+                    choice: Choice | None, compressed: bytes | None = None) -> int:
         """A new one-page blob holding `page`. `choice` is the request's encoder;
         `compressed` the page already compressed by it."""
         encoder = choice.codec if choice is not None else self.codecs.writer
@@ -500,8 +515,7 @@ class PageStore:
         if compressed is None:
             compressed = encoder.compress(page)
         codec_id = encoder.id
-        if not observed:
-            self.dicts.observe(page)
+        self.dicts.observe(page)
         if len(compressed) > MAX_COMPRESSED:
             compressed, codec_id, dict_id = page, codecs.RAW, 0
         lo, hi = digest
@@ -564,8 +578,7 @@ class PageStore:
             self.index.remove(index_key(int(blobs.hash_lo[blob])), blob << _SUB_BITS)
         else:
             for sub in range(pages):
-                self.index.remove(index_key(int(blobs.members[blob, sub])),
-                                  blob << _SUB_BITS | sub)
+                self.index.remove(int(blobs.members[blob, sub]), blob << _SUB_BITS | sub)
             self.units.discard(blob)
         self.hot.discard(blob)
         if blobs.tier[blob] == POOL:

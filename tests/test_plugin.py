@@ -45,11 +45,18 @@ def agent_like(n: int, seed: int = 1) -> bytes:
 
 
 def test_round_trip_all_page_kinds(client, server):
-    data = agent_like(3 * PAGE) + os.urandom(2 * PAGE) + b"\x07" * PAGE + bytes(PAGE)
-    data += agent_like(PAGE)  # duplicate content of a different slot? no: same seed prefix
-    client.pwrite(data, 10 * PAGE)
+    # Three requests: a unit (the default config compresses a request's new pages together),
+    # two random pages (too poor together: stored alone, raw), and a same-filled page, a zero
+    # page and a text page compressed alone.
+    parts = [agent_like(3 * PAGE), os.urandom(2 * PAGE), b"\x07" * PAGE + bytes(PAGE) + agent_like(PAGE, 2)]
+    offset = 10 * PAGE
+    for part in parts:
+        client.pwrite(part, offset)
+        offset += len(part)
+    data = b"".join(parts)
     assert client.pread(len(data), 10 * PAGE) == data
     stats = request(server.control_socket, "stats")
+    assert stats["units"] == 1 and stats["unit_fallbacks"] == 1
     assert stats["raw_pages"] == 2
     assert stats["same_pages"] == 2  # 0x07 page and the zero page
     assert stats["pages"] == len(data) // PAGE
