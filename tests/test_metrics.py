@@ -96,8 +96,10 @@ def test_exporter_down_server_reports_up_zero(tmp_path):
 @pytest.mark.nbdkit
 @pytest.mark.skipif(nbdkit_available() is not None, reason=str(nbdkit_available()))
 def test_scrape_matches_stats_json(tmp_path):
-    config = tmp_path / "config.yaml"  # one named dictionary: it is the only candidate
-    config.write_text(f"compression:\n  dictionary: python312\n"
+    # One named dictionary: it is the only candidate; pages compressed alone (a dictionary
+    # applies only to those, not to multi-page units).
+    config = tmp_path / "config.yaml"
+    config.write_text(f"compression:\n  dictionary: python312\n  unit_pages: 1\n"
                       f"pool:\n  swap_out_path: {tmp_path / 'disk-tier'}\n")
     srv = start_server(tmp_path, size=str(SIZE), config=config)
     try:

@@ -102,17 +102,20 @@ def dictionaries_supported() -> bool:
 
 
 def swap_configs(with_dictionaries: bool) -> list[SwapConfig]:
+    """zram, agentzip-blk at its defaults, and variants: each page compressed alone (the
+    codecs side by side with zram's), and multi-page units of 4-16 pages."""
     out = [SwapConfig("zram-lz4", "zram", "lz4"), SwapConfig("zram-lzo-rle", "zram", "lzo-rle"),
            SwapConfig("agentzip-default", "agentzip", "default"),
-           SwapConfig("agentzip-lz4", "agentzip", "lz4", 1, "none"),
-           SwapConfig("agentzip-zstd3", "agentzip", "zstd", 3, "none"),
-           SwapConfig("agentzip-zstd9", "agentzip", "zstd", 9, "none"),
+           SwapConfig("agentzip-lz4", "agentzip", "lz4", 1, "none", 1),
+           SwapConfig("agentzip-zstd3", "agentzip", "zstd", 3, "none", 1),
+           SwapConfig("agentzip-zstd9", "agentzip", "zstd", 9, "none", 1),
            SwapConfig("agentzip-unit4", "agentzip", "zstd", 3, "none", 4),
            SwapConfig("agentzip-unit8", "agentzip", "zstd", 3, "none", 8),
-           SwapConfig("agentzip-unit16", "agentzip", "zstd", 3, "none", 16)]
+           SwapConfig("agentzip-unit16", "agentzip", "zstd", 3, "none", 16),
+           SwapConfig("agentzip-lz4-unit16", "agentzip", "lz4", 1, "none", 16)]
     if with_dictionaries:
-        out += [SwapConfig("agentzip-zstd3-dict", "agentzip", "zstd", 3, "prebuilt"),
-                SwapConfig("agentzip-zstd9-dict", "agentzip", "zstd", 9, "prebuilt")]
+        out += [SwapConfig("agentzip-zstd3-dict", "agentzip", "zstd", 3, "prebuilt", 1),
+                SwapConfig("agentzip-zstd9-dict", "agentzip", "zstd", 9, "prebuilt", 1)]
     return out
 
 
