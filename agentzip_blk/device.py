@@ -293,26 +293,24 @@ def _loop_backing(dev: str | None) -> str | None:
         return None
 
 
-def _loop_dio(dev: str | None) -> bool | None:
+def _loop_flag(dev: str | None, attribute: str) -> bool | None:
+    """A 0/1 attribute of the loop device in sysfs (e.g. loop/dio); None when unknown."""
     name = _loop_name(dev)
     if not name:
         return None
     try:
-        with open(f"/sys/block/{name}/loop/dio", encoding="ascii") as f:
+        with open(f"/sys/block/{name}/{attribute}", encoding="ascii") as f:
             return f.read().strip() == "1"
     except OSError:
         return None
+
+
+def _loop_dio(dev: str | None) -> bool | None:
+    return _loop_flag(dev, "loop/dio")
 
 
 def _loop_rotational(dev: str | None) -> bool | None:
-    name = _loop_name(dev)
-    if not name:
-        return None
-    try:
-        with open(f"/sys/block/{name}/queue/rotational", encoding="ascii") as f:
-            return f.read().strip() == "1"
-    except OSError:
-        return None
+    return _loop_flag(dev, "queue/rotational")
 
 
 def _mark_rotational(dev: str) -> bool:

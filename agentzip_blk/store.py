@@ -103,6 +103,7 @@ class Counters:
     unit_fallbacks: int = 0  # groups that compressed too poorly together: stored page by page
     unit_hits: int = 0  # page reads served from the decompressed-unit cache
     units_rewritten: int = 0  # sparse units recompressed without their dead pages
+    decoded_bytes: int = 0  # bytes decompressed (a unit's whole size per miss): read amplification
 
 
 @dataclass
@@ -723,6 +724,7 @@ class PageStore:
             int(self.blobs.codec[blob]), stored, int(self.blobs.dict_id[blob]),
             pages * self.page_size,
         )
+        self.counters.decoded_bytes += len(data)
         if touch and self.blobs.tier[blob] == DISK:
             self._promote(blob, stored)
         if pages > 1:

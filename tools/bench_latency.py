@@ -212,6 +212,12 @@ def render(result: dict) -> str:
 
 
 def main() -> int:
+    import argparse
+
+    argparse.ArgumentParser(
+        description="Where the time of one 4 KiB read goes, layer by layer, with zram. As root, "
+                    "holding the swap lock: flock /tmp/agentzip-swap.lock "
+                    ".venv/bin/python tools/bench_latency.py").parse_args()
     if os.geteuid() != 0:
         print("bench_latency: needs root", file=sys.stderr)
         return 2
