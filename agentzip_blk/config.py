@@ -87,6 +87,11 @@ class DeviceConfig:
     size: int = 8 << 30  # logical size of the block device
     swap_priority: int = 100
     run_dir: str = "/run/agentzip"
+    # Flag the loop device rotational: the kernel then reads ahead neighbouring swap slots
+    # (cluster readahead) instead of following the faulting process (VMA readahead). Fewer,
+    # larger reads: 2x swap-in on a sequential re-read; but the neighbours belong to anyone,
+    # and under random access with tight cgroup limits it led to OOM kills (BENCHMARKS.md).
+    rotational: bool = False
 
 
 def _default_scopes() -> list[Scope]:
@@ -303,6 +308,7 @@ def _parse_device(value: Any) -> DeviceConfig:
         size=size,
         swap_priority=_int(data.get("swap_priority", d.swap_priority), "device.swap_priority", lo, hi),
         run_dir=_abs_path(data.get("run_dir", d.run_dir), "device.run_dir"),
+        rotational=_bool(data.get("rotational", d.rotational), "device.rotational"),
     )
 
 

@@ -135,6 +135,7 @@ class RunState:
     mlock: bool = True              # nbdkit --swap
     oom_protected: bool = False     # oom_score_adj -1000 set on nbdkit (and nbdfuse)
     nbdfuse_locked: bool = False    # nbdfuse runs with the mlockall preload shim
+    rotational: bool = False        # device.rotational: flag the loop device before swapon
 
     # -- persistence ---------------------------------------------------------------
     @property
@@ -314,12 +315,14 @@ def _loop_rotational(dev: str | None) -> bool | None:
 
 
 def _mark_rotational(dev: str) -> bool:
-    """Flag the loop device rotational, before swapon (which reads the flag once): swap-in
-    then reads ahead 2^vm.page-cluster neighbouring slots per request instead of following
-    one process's address space. Every request through the chain costs ~300 us whatever
-    its size, so fewer larger reads win: measured on the demo, 12k reads of ~19.5 KiB
-    instead of 37k of ~6.4 KiB, swap-in ~2x (BENCHMARKS.md). Neighbouring slots are also
-    what one multi-page unit holds. Best effort: a read-only sysfs only costs speed."""
+    """Flag the loop device rotational (`device.rotational`), before swapon, which reads the
+    flag once: swap-in then reads ahead 2^vm.page-cluster neighbouring slots per request
+    instead of following one process's address space. Every request through the chain costs
+    ~300 us whatever its size, so on a sequential re-read fewer larger reads win (demo: 12k
+    reads of ~19.5 KiB instead of 37k of ~6.4 KiB, swap-in ~2x). Off by default: the
+    neighbours belong to any sandbox, and under random access with tight cgroup limits
+    (tools/load.py) the extra pages led to memory-cgroup OOM kills (BENCHMARKS.md).
+    Best effort: a read-only sysfs only costs speed."""
     try:
         with open(f"/sys/block/{_loop_name(dev)}/queue/rotational", "w", encoding="ascii") as f:
             f.write("1")
@@ -622,7 +625,8 @@ def up(config=None, config_path: str | None = None, run_dir: str | None = None,
                          control_socket=control,
                          config_path=os.path.abspath(config_path) if config_path else None,
                          size=size, swap_priority=priority,
-                         mode="nbd" if kernel_nbd else "fuse", tools=tools, mlock=mlock)
+                         mode="nbd" if kernel_nbd else "fuse", tools=tools, mlock=mlock,
+                         rotational=bool(config is not None and config.device.rotational))
         state.save()
         try:
             _up_steps(state, timeout, fail_after)
@@ -718,7 +722,8 @@ def _up_steps(state: RunState, timeout: float, fail_after: str | None) -> None:
             raise DeviceError(f"direct I/O is off on {loop} (/sys/block/{_loop_name(loop)}/"
                               "loop/dio): without it every swapped page also stays in the "
                               "page cache and no memory is saved")
-        _mark_rotational(loop)
+        if state.rotational:
+            _mark_rotational(loop)
         _inject("losetup", fail_after)
 
     # 3. mkswap + swapon
@@ -817,9 +822,10 @@ def status(run_dir: str | None = None, *, config=None) -> dict:
                                "backing_file": _loop_backing(state.loop_device),
                                "dio": _loop_dio(state.loop_device),
                                "rotational": _loop_rotational(state.loop_device)}
-                if out["loop"]["rotational"] is False:
-                    warnings.append(f"{state.loop_device} is not flagged rotational: swap-in "
-                                    "reads one page per request (slower); re-run up")
+                if state.rotational and out["loop"]["rotational"] is False:
+                    warnings.append(f"device.rotational is set but {state.loop_device} is not "
+                                    "flagged rotational (read-only sysfs?): swap readahead "
+                                    "follows each process instead of the device")
         ours = system.swap_area(state.device)
         if ours is not None:
             out["swap"] = ours.to_dict()

@@ -150,6 +150,7 @@ def valid_configs(draw):
             "size": 4096 * draw(st.integers(256, 1 << 30)),
             "swap_priority": draw(st.integers(-1, 32767)),
             "run_dir": "/run/" + draw(st.from_regex(r"[a-z]{1,8}", fullmatch=True)),
+            "rotational": draw(st.booleans()),
         },
     }
 
@@ -194,6 +195,8 @@ BAD_VALUES = [
     ("compression", "unit_pages", 17, "1-16 pages"),
     ("compression", "unit_pages", "4", "integer"),
     ("compression", "unit_pages", True, "integer"),
+    ("device", "rotational", "yes", "true or false"),
+    ("device", "rotational", 1, "true or false"),
     ("pool", "max_size", 0, "too small"),
     ("pool", "max_size", -1, "negative"),
     ("pool", "max_size", "512K", "too small"),

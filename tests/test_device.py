@@ -426,7 +426,7 @@ def test_attach_status_detach(chain, run_dir, plugin, capsys):
     assert s["server"]["alive"] and s["server"]["rss"] > 0
     if st.mode == "fuse":
         assert s["loop"]["dio"] is True and s["mount"]["mounted"]
-        assert s["loop"]["rotational"] is True  # cluster swap readahead (fewer, larger reads)
+        assert s["loop"]["rotational"] is False  # device.rotational defaults to off
     with open(os.path.join(run_dir, "state.json")) as f:
         assert json.load(f)["device"] == st.device
 
@@ -479,6 +479,21 @@ def test_stale_state_is_cleaned(run_dir):
         device.down(run_dir)
     assert_clean(run_dir)
     assert system.pid_alive(1)
+
+
+@requires_swap
+def test_rotational_on_request(run_dir):
+    """device.rotational flags the loop device before swapon (cluster swap readahead)."""
+    cfg = _config(run_dir)
+    cfg.device.rotational = True
+    with device.attached(cfg, run_dir, priority=8, size=SIZE, plugin="memory") as st:
+        if st.mode == "fuse":
+            s = device.status(run_dir)
+            assert s["loop"]["rotational"] is True
+            assert not [w for w in s["warnings"] if "rotational" in w]
+            with open(f"/sys/block/{os.path.basename(st.loop_device)}/queue/rotational") as f:
+                assert f.read().strip() == "1"
+    assert_clean(run_dir)
 
 
 @requires_swap
