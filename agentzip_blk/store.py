@@ -61,6 +61,10 @@ _FEW_PAGES = 8  # requests up to this many pages take the scalar read path  # bl
 _SUB_BITS = 5  # dedup index value: blob id << _SUB_BITS | page in the blob
 _UNIT_CACHE_UNITS = 8  # decompressed units kept for the reads of their other pages
 CHUNK_SLOTS = 512  # slot-table bookkeeping unit: one page of `handle`, one swap cluster
+# Sparse units rewritten per lock hold: each costs a scan share, a decompression and a
+# compression (measured: 64 units of 16 pages in 36 ms), so requests wait ~10 ms at most.
+_REWRITE_CHUNK = 16
+_REWRITE_ROUNDS = 8  # lock holds per maintenance round
 
 _MASK64 = (1 << 64) - 1
 
@@ -793,7 +797,7 @@ class PageStore:
             self.counters.demotions += len(copies)
             return len(copies)
 
-    def rewrite_sparse_units(self, limit: int = _DEMOTE_CHUNK) -> int:
+    def rewrite_sparse_units(self, limit: int = _REWRITE_CHUNK) -> int:
         """Recompress units that at most half of their pages are still used by, keeping only
         those pages; returns units rewritten. A unit stays whole while any page of it is
         held, so without this, overwrites and trims scattered over units would keep dead
@@ -898,7 +902,12 @@ class PageStore:
     def maintain(self) -> dict:
         """One round of background work: drop the dead pages of sparse units, demote while
         above the threshold, then compact."""
-        rewritten = self.rewrite_sparse_units()
+        rewritten = 0
+        for _ in range(_REWRITE_ROUNDS):
+            done = self.rewrite_sparse_units()
+            rewritten += done
+            if done < _REWRITE_CHUNK:
+                break
         demoted = 0
         reclaiming = self.pool.allocated_bytes >= self.reclaim_bytes
         while reclaiming and self.pool.allocated_bytes > self.reclaim_target:
