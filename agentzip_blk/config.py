@@ -89,8 +89,9 @@ class DeviceConfig:
     run_dir: str = "/run/agentzip"
     # Flag the loop device rotational: the kernel then reads ahead neighbouring swap slots
     # (cluster readahead) instead of following the faulting process (VMA readahead). Fewer,
-    # larger reads: 2x swap-in on a sequential re-read; but the neighbours belong to anyone,
-    # and under random access with tight cgroup limits it led to OOM kills (BENCHMARKS.md).
+    # larger reads: 2x swap-in on a sequential re-read; but the neighbours belong to anyone
+    # and are charged to their cgroups, and a load run with it ended in OOM kills
+    # (BENCHMARKS.md): opt-in until measured properly.
     rotational: bool = False
 
 

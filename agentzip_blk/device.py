@@ -320,8 +320,8 @@ def _mark_rotational(dev: str) -> bool:
     instead of following one process's address space. Every request through the chain costs
     ~300 us whatever its size, so on a sequential re-read fewer larger reads win (demo: 12k
     reads of ~19.5 KiB instead of 37k of ~6.4 KiB, swap-in ~2x). Off by default: the
-    neighbours belong to any sandbox, and under random access with tight cgroup limits
-    (tools/load.py) the extra pages led to memory-cgroup OOM kills (BENCHMARKS.md).
+    neighbours belong to any sandbox and are charged to their cgroups, and a tools/load.py
+    run with it ended in memory-cgroup OOM kills (BENCHMARKS.md; not yet pinned on it).
     Best effort: a read-only sysfs only costs speed."""
     try:
         with open(f"/sys/block/{_loop_name(dev)}/queue/rotational", "w", encoding="ascii") as f:

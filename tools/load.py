@@ -180,8 +180,12 @@ class Workload:
         return result[0]
 
     def stop(self) -> dict:
-        self.proc.stdin.write("STOP\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write("STOP\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            raise RuntimeError(f"workload {self.index} died (exit {self.proc.wait()}, "
+                               f"OOM kills {self.cg.oom_kills()})") from None
         line = self.expect("RESULT", 600)
         self.proc.wait(60)
         return json.loads(line.split(" ", 1)[1])
@@ -216,43 +220,59 @@ def run(args) -> dict:
             raise SystemExit(f"load: other swap areas are active ({', '.join(others)}); "
                              "the device must be the only swap")
         with device.attached(cfg, run_dir, priority=10, size=args.size) as state:
-            pids = {"nbdkit": state.nbdkit_pid, "nbdfuse": state.nbdfuse_pid}
-            for i in range(args.workers):
-                cg = MemoryCgroup.create(f"agent-sandbox-load{i}.slice")
-                cgroups.append(cg)
-                cg.allow_swap()
-                cg.set_swappiness(100)
-                workloads.append(Workload(cg, i, args.mb, 1000 + i, os.path.join(tmp, f"lat{i}")))
-            for w in workloads:
-                w.expect("READY", 300)
-            log(f"{args.workers} workloads ready ({args.mb} MiB heaps); squeezing each "
-                f"cgroup to {args.limit_fraction:.0%} of its usage")
-            for cg in cgroups:  # like the tuner: gradually, never below what fits
-                usage = cg.usage()
-                for step in range(1, 5):
-                    target = int(usage * (1 - (1 - args.limit_fraction) * step / 4))
-                    for _ in range(20):
-                        try:
-                            cg.set_limit(target)
-                            break
-                        except LimitBusy:
-                            time.sleep(0.2)
-            series = sample(args, state, pids, cgroups, workloads, control)
-            results = [w.stop() for w in workloads]
-            oom = sum(cg.oom_kills() for cg in cgroups)
-            final_stats = control.request(state.control_socket, "stats")
+            try:
+                pids = {"nbdkit": state.nbdkit_pid, "nbdfuse": state.nbdfuse_pid}
+                for i in range(args.workers):
+                    cg = MemoryCgroup.create(f"agent-sandbox-load{i}.slice")
+                    cgroups.append(cg)
+                    cg.allow_swap()
+                    cg.set_swappiness(100)
+                    workloads.append(Workload(cg, i, args.mb, 1000 + i, os.path.join(tmp, f"lat{i}")))
+                for w in workloads:
+                    w.expect("READY", 300)
+                log(f"{args.workers} workloads ready ({args.mb} MiB heaps); squeezing each "
+                    f"cgroup to {args.limit_fraction:.0%} of its usage")
+                for cg in cgroups:  # like the tuner: gradually, never below what fits
+                    usage = cg.usage()
+                    for step in range(1, 5):
+                        target = int(usage * (1 - (1 - args.limit_fraction) * step / 4))
+                        for _ in range(20):
+                            try:
+                                cg.set_limit(target)
+                                break
+                            except LimitBusy:
+                                time.sleep(0.2)
+                series = sample(args, state, pids, cgroups, workloads, control)
+                results = [w.stop() for w in workloads]
+                oom = sum(cg.oom_kills() for cg in cgroups)
+                final_stats = control.request(state.control_socket, "stats")
+            finally:
+                # Before the device detaches: swapoff charges every swapped page back to its
+                # cgroup, and a cgroup still at its limit OOMs, so swapoff fails with ENOMEM
+                # (seen when the workloads had died) and the swap area stays attached.
+                release(workloads, cgroups)
         result.update(summarize(args, series, results, workloads, oom, final_stats))
     finally:
-        for w in workloads:
-            w.kill()
-        for cg in cgroups:
-            try:
-                cg.set_limit(None)
-                cg.remove()
-            except Exception as exc:  # noqa: BLE001 - report, keep cleaning
-                log(f"cannot remove {cg.path}: {exc}")
-        shutil.rmtree(tmp, ignore_errors=True)
+        release(workloads, cgroups)
+        if device.RunState.load(run_dir) is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:  # never delete the state of a device that is still attached
+            log(f"the device is still attached; its state is in {run_dir}: "
+                f"agentzip-blk --run-dir {run_dir} down")
     return result
+
+
+def release(workloads: list, cgroups: list) -> None:
+    """Kill our workloads and remove their cgroups (limits lifted first); idempotent."""
+    for w in workloads:
+        w.kill()
+    while cgroups:
+        cg = cgroups.pop()
+        try:
+            cg.set_limit(None)
+            cg.remove()
+        except Exception as exc:  # noqa: BLE001 - report, keep cleaning
+            log(f"cannot remove {cg.path}: {exc}")
 
 
 def log(msg: str) -> None:
