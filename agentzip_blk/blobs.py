@@ -54,7 +54,7 @@ class BlobTable:
     def used_bytes(self) -> int:
         """Bytes of the rows ever handed out: the columns are zero-filled lazily, so rows
         above that cost nothing (even when a full-table scan has read them)."""
-        return self._next_unused * (ROW_BYTES + self.members.nbytes // max(1, self.capacity))
+        return self._next_unused * (ROW_BYTES + self.members.shape[1] * self.members.itemsize)
 
     def arrays(self) -> list[np.ndarray]:
         return [getattr(self, name) for name in _COLUMNS] + [self.members]

@@ -35,6 +35,17 @@ class CliError(Exception):
         self.code = code
 
 
+def serve_until_interrupted(server) -> int:
+    """Run an HTTP(S) server of a foreground subcommand until Ctrl-C; returns exit status 0."""
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
 # --- helpers --------------------------------------------------------------------------
 
 def _fmt(n) -> str:

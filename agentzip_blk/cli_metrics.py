@@ -26,13 +26,7 @@ def cmd_metrics(args) -> int:
     server = make_server(listen, Collector(stats, cgroups_fn))
     host, port = server.server_address[:2]
     print(f"{cli.PROG}: metrics on http://{host}:{port}/metrics", flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
-    return 0
+    return cli.serve_until_interrupted(server)
 
 
 def register(sub) -> None:

@@ -15,9 +15,8 @@ ENTRY_OVERHEAD = 160  # bytes object header + OrderedDict node + key int
 
 
 class HotCache:
-    def __init__(self, capacity_bytes: int, page_size: int = 4096) -> None:
+    def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
-        self.page_size = page_size
         self._entries: OrderedDict[int, bytes] = OrderedDict()
         self._bytes = 0  # held, entry overheads included
         self.hits = 0

@@ -215,10 +215,8 @@ class PageStore:
             if tiering.swap_out_path
             else None
         )
-        self.hot = HotCache(tiering.hot_cache_size, page_size)
-        self.units = HotCache(
-            _UNIT_CACHE_UNITS * unit_pages * page_size if unit_pages > 1 else 0, page_size
-        )
+        self.hot = HotCache(tiering.hot_cache_size)
+        self.units = HotCache(_UNIT_CACHE_UNITS * unit_pages * page_size if unit_pages > 1 else 0)
         self.blobs = BlobTable(unit_pages=unit_pages)
         self.index = DedupIndex()
         self.counters = Counters()
@@ -403,9 +401,8 @@ class PageStore:
         self.counters.pingpong += int(
             np.count_nonzero((rtimes > 0) & (now - rtimes <= self._hot_ticks))
         )
-        self.slot_rtime[first : first + count] = 0
         self.same_pages += int(same.sum())
-        self._release_slots(first, count)
+        self._release_slots(first, count)  # also clears the slots' last-read ticks
         self.kind[first : first + count] = new_kind
         self.handle[first : first + count] = new_handle
         self.sub[first : first + count] = new_sub
@@ -947,8 +944,10 @@ class PageStore:
             "disk_books": self.disk.meta_bytes() if self.disk else 0,
         }
 
-    def stored_mem(self) -> int:
-        return self.pool.resident_bytes + self.meta_bytes() + self._cache_bytes()
+    def stored_mem(self, meta_bytes: int | None = None) -> int:
+        if meta_bytes is None:
+            meta_bytes = self.meta_bytes()
+        return self.pool.resident_bytes + meta_bytes + self._cache_bytes()
 
     def _cache_bytes(self) -> int:
         return self.hot.nbytes + self.units.nbytes
@@ -962,7 +961,9 @@ class PageStore:
         blob_pages = int(self.codec_pages.sum())
         pages = self.same_pages + blob_pages
         orig = pages * page
-        stored = self.stored_mem()
+        meta = self.meta_parts()
+        meta_bytes = sum(meta.values())
+        stored = self.stored_mem(meta_bytes)
         blobs = self.blobs
         held = self._blob_slots()
         slot_blobs = self.handle[held].astype(np.int64)
@@ -1002,8 +1003,8 @@ class PageStore:
             "pool_arenas": self.pool.arena_count,
             "fragmentation": round(self.fragmentation(), 4),
             "compressed_bytes": int(lengths[live].sum()),
-            "meta_bytes": self.meta_bytes(),
-            "meta": self.meta_parts(),
+            "meta_bytes": meta_bytes,
+            "meta": meta,
             "hot_cache_bytes": self._cache_bytes(),
             "max_size": self.pool.max_size,
             "reclaim_bytes": self.reclaim_bytes,

@@ -86,3 +86,21 @@ def fake_hybrid(tmp, cgroups: dict[str, dict[str, str]] | None = None,
                            **files}.items():
             w(f"{v2}{rel}/{name}", text)
     return root, v1, v2
+
+
+def real_v1():
+    """The host's memory controller, for tests on real cgroups: skips unless it is v1 and
+    we are root."""
+    import pytest
+
+    from agentzip_blk.cgroup_memory import CgroupError, detect
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create memory cgroups")
+    try:
+        c = detect()
+    except CgroupError as e:
+        pytest.skip(str(e))
+    if c.version != 1:
+        pytest.skip(f"memory controller is on cgroup v{c.version}, not v1")
+    return c

@@ -6,12 +6,10 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from agentzip_blk.cgroup_backends import (V1Backend, V2Backend, open_backend, parse_psi)
-from agentzip_blk.cgroup_memory import CgroupError, MemoryCgroup, detect
+from agentzip_blk.cgroup_memory import MemoryCgroup
 from agentzip_blk.scopes import Ledger
-from cgfake import fake_hybrid, fake_v2, r, w
+from cgfake import fake_hybrid, fake_v2, r, real_v1, w
 
 SANDBOX = "/agents/agent-sandbox-1.slice"
 
@@ -114,18 +112,6 @@ def test_v1_prepare_fake(tmp_path):
 
 # --- the real v1 controller ----------------------------------------------------------------
 
-def _real_v1():
-    if os.geteuid() != 0:
-        pytest.skip("needs root to create memory cgroups")
-    try:
-        c = detect()
-    except CgroupError as e:
-        pytest.skip(str(e))
-    if c.version != 1:
-        pytest.skip(f"memory controller is on cgroup v{c.version}")
-    return c
-
-
 def _swaps_active() -> bool:
     with open("/proc/swaps") as f:
         return len(f.read().splitlines()) > 1
@@ -139,7 +125,7 @@ ALLOC = ("import sys, mmap\n"
 
 
 def test_v1_real_child(tmp_path):
-    c = _real_v1()
+    c = real_v1()
     cg = MemoryCgroup.create(f"pytest-backends-{os.getpid()}", controller=c)
     p = None
     try:

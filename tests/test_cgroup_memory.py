@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from agentzip_blk.cgroup_memory import (CgroupError, LimitBusy, MemoryCgroup, detect)
+from cgfake import real_v1
 
 
 # ---------------------------------------------------------------------------------------
@@ -162,18 +163,6 @@ def test_v2_add_pid_and_remove_moves_strays_to_parent(tmp_path):
 # the real controller (v1 on the development machines)
 
 
-def _real_v1():
-    if os.geteuid() != 0:
-        pytest.skip("needs root to create memory cgroups")
-    try:
-        c = detect()
-    except CgroupError as e:
-        pytest.skip(str(e))
-    if c.version != 1:
-        pytest.skip(f"memory controller is on cgroup v{c.version}, not v1")
-    return c
-
-
 ALLOC = ("import sys\n"
          "sys.stdin.readline()\n"
          "b = bytearray(24 << 20)\n"
@@ -196,7 +185,7 @@ def _finish(p):
 
 
 def test_v1_real_child_limit_usage_remove():
-    c = _real_v1()
+    c = real_v1()
     name = f"pytest-cgm-{os.getpid()}"
     cg = MemoryCgroup.create(name, controller=c)
     p = _start_allocator()
@@ -226,7 +215,7 @@ def test_v1_real_child_limit_usage_remove():
 
 
 def test_v1_remove_moves_a_live_stray_to_the_parent():
-    c = _real_v1()
+    c = real_v1()
     cg = MemoryCgroup.create(f"pytest-cgm-stray-{os.getpid()}", controller=c)
     p = subprocess.Popen(["sleep", "60"])
     try:
@@ -249,7 +238,7 @@ def _swaps_active() -> bool:
 def test_v1_lowering_below_unreclaimable_usage_is_ebusy_not_oom():
     """Without swap, anon memory cannot be reclaimed: v1 refuses the limit (EBUSY) and
     leaves the process alone; it does not OOM-kill (a limit *write* never does on v1)."""
-    c = _real_v1()
+    c = real_v1()
     if _swaps_active():
         pytest.skip("a swap area is active: the limit would be met by swapping")
     cg = MemoryCgroup.create(f"pytest-cgm-busy-{os.getpid()}", controller=c)

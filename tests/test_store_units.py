@@ -10,7 +10,7 @@ import pytest
 
 from agentzip_blk.blobs import DISK
 from agentzip_blk.codec import CodecError
-from agentzip_blk.store import BLOB, PageStore, Tiering
+from agentzip_blk.store import PageStore, Tiering
 
 PAGE = 4096
 DEVICE = 256 * PAGE

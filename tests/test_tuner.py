@@ -9,7 +9,7 @@ import re
 import pytest
 
 from agentzip_blk.cgroup_backends import Counters, open_backend
-from agentzip_blk.config import Config, Scope, parse_config
+from agentzip_blk.config import Scope, parse_config
 from agentzip_blk.scopes import Ledger
 from agentzip_blk.tuner import Controller, PressureMeter, Tuner, TunerSettings
 from cgfake import fake_v2, r, w

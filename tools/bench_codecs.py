@@ -37,6 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from agentzip_blk.codec import Lz4Codec, Lz4HcCodec, ZstdCodec  # noqa: E402
+from agentzip_blk.estimate import measure  # noqa: E402
 from benchmd import write_section  # noqa: E402
 from agentzip_blk.dictionaries import (  # noqa: E402
     DictionaryRegistry,
@@ -55,14 +56,7 @@ def load_pages(path: str) -> list[bytes]:
 
 
 def plain(codec, pages: list[bytes]) -> dict:
-    t0 = time.perf_counter()
-    outs = [codec.compress(p) for p in pages]
-    ct = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for o in outs:
-        codec.decompress(o)
-    dt = time.perf_counter() - t0
-    stored = sum(stored_size(len(o)) for o in outs)
+    stored, ct, dt = measure(codec, pages)
     return {"stored": stored, "ctime": ct, "dtime": dt}
 
 

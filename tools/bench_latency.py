@@ -196,7 +196,7 @@ def render(result: dict) -> str:
     lines = [
         "## Where a 4 KiB read's time goes",
         "",
-        f"Command: `flock /tmp/agentzip-swap.lock .venv/bin/python tools/bench_latency.py`  ",
+        "Command: `flock /tmp/agentzip-swap.lock .venv/bin/python tools/bench_latency.py`  ",
         f"Machine: Linux {platform.release()}, {os.cpu_count()} cores; {result['date']}",
         "",
         f"{READS} random 4 KiB reads of 64 MiB of agent-like pages (zstd 3, no dictionary, "

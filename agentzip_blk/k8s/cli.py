@@ -20,13 +20,7 @@ def cmd_webhook(args) -> int:
     server = make_server(listen, args.tls_cert, args.tls_key)
     print(f"{cli.PROG}: webhook on https://{listen[0]}:{server.server_address[1]}/mutate",
           flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
-    return 0
+    return cli.serve_until_interrupted(server)
 
 
 def cmd_node_agent(args) -> int:

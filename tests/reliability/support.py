@@ -201,12 +201,7 @@ def loop_chain(tmp: Path, size: str = "256M", config: Path | None = None,
             deadline = time.monotonic() + 10
             while _loop_backing(chain.loop) == fuse_file and time.monotonic() < deadline:
                 time.sleep(0.05)
-        subprocess.run(["fusermount3", "-u", mnt], check=False, capture_output=True)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _unmount(mnt, proc)
         log.close()
         srv.stop()
         with contextlib.suppress(OSError):
@@ -308,6 +303,16 @@ class FailFS:
         self.injected += bool(faults)
 
 
+def _unmount(mnt: str, proc: subprocess.Popen) -> None:
+    """Unmount a FUSE mount and reap its daemon (our own child), killing it if it hangs."""
+    subprocess.run(["fusermount3", "-u", mnt], check=False, capture_output=True)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @contextlib.contextmanager
 def failfs() -> Iterator[FailFS]:
     binary = _build_failfs()
@@ -327,12 +332,7 @@ def failfs() -> Iterator[FailFS]:
         yield FailFS(mnt, ctl)
     finally:
         Path(ctl).write_text("")
-        subprocess.run(["fusermount3", "-u", mnt], check=False, capture_output=True)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _unmount(mnt, proc)
         shutil.rmtree(base, ignore_errors=True)
 
 
