@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+import sys
+
 import pytest
 
 from agentzip_blk import config as config_module
@@ -12,3 +16,33 @@ def _fresh_dictionary_names(monkeypatch):
     """Entry points install the known dictionary names process-wide (config.KNOWN_DICTIONARIES);
     every test starts without them so that test order does not matter."""
     monkeypatch.setattr(config_module, "KNOWN_DICTIONARIES", None)
+
+
+# Swap areas are host-wide: two test runs that attach devices at the same time share them
+# (the kernel spreads every cgroup's pages over all areas of the top priority), so one run's
+# kill or squeeze lands on the other's workloads. Every test that may attach swap holds this
+# lock, shared with the benchmark tools (tools/ take it too), until the session ends.
+SWAP_LOCK_PATH = "/run/lock/agentzip-swap.lock"
+_SWAP_FILES = ("test_device.py", "test_doctor.py", "test_metrics_swap.py", "test_scoped_swap.py",
+               "test_swap.py", "test_workloads.py", "test_cgstats.py", "test_protection.py",
+               "test_swap_stress.py", "test_cli_survival.py")
+_swap_lock_fd: int | None = None
+
+
+def _hold_swap_lock() -> None:
+    global _swap_lock_fd
+    if _swap_lock_fd is not None or os.geteuid() != 0:
+        return
+    os.makedirs(os.path.dirname(SWAP_LOCK_PATH), exist_ok=True)
+    fd = os.open(SWAP_LOCK_PATH, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        sys.stderr.write(f"\nwaiting for {SWAP_LOCK_PATH} (another run attaches swap)\n")
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    _swap_lock_fd = fd
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("swap") is not None or item.path.name in _SWAP_FILES:
+        _hold_swap_lock()
