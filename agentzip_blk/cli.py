@@ -19,8 +19,9 @@ import time
 
 from . import __version__, cli_dict, system
 from . import cli_cgstats, cli_doctor, cli_scope, cli_tune
-from . import cli_metrics, units_install
-from .k8s import cli as cli_k8s
+from . import cli_metrics
+from .fleet import systemd as units_install
+from .fleet.k8s import cli as cli_k8s
 from .system import SetupError
 
 PROG = "agentzip-blk"
@@ -52,7 +53,7 @@ def _fmt(n) -> str:
     if n is None:
         return "-"
     try:
-        from .units import format_bytes
+        from .config.quantities import format_bytes
         return format_bytes(int(n))
     except Exception:
         return str(n)
@@ -61,7 +62,7 @@ def _fmt(n) -> str:
 def _parse_size(text: str | None) -> int | None:
     if text is None:
         return None
-    from .units import parse_size
+    from .config.quantities import parse_size
     try:
         return parse_size(text)
     except ValueError as e:
@@ -70,10 +71,10 @@ def _parse_size(text: str | None) -> int | None:
 
 def _load_config(args):
     """The Config named by --config (None: /etc/agentzip/config.yaml or defaults)."""
+    from .codec.dictionaries import known_names
     from .config import load_config
-    from .dictionaries import publish_names
-    publish_names()  # so an unknown compression.dictionary name is a config error here too
-    return load_config(args.config)
+    # known_dictionaries: an unknown compression.dictionary name is a config error here too
+    return load_config(args.config, known_dictionaries=known_names())
 
 
 def _run_dir(args, config=None) -> str:
@@ -373,7 +374,7 @@ def cmd_stats(args) -> int:
 # --- demo ------------------------------------------------------------------------------
 
 def cmd_demo(args) -> int:
-    from . import demo  # lazy: pulls in the workload machinery
+    from .demo import driver as demo  # lazy: pulls in the workload machinery
     return int(demo.main(args) or 0)
 
 

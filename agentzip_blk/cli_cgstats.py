@@ -43,8 +43,9 @@ def table(res: dict) -> str:
 
 
 def cmd_stats_cgroup(args) -> int:
-    from . import cgstats, cli, system
-    from .cgroup_backends import open_backend
+    from . import cli, system
+    from .cgroups import cgstats
+    from .cgroups.backends import open_backend
     from .device import RunState
 
     system.require_root(f"{cli.PROG} stats --cgroup (reads /proc/PID/pagemap)")

@@ -11,8 +11,55 @@ from __future__ import annotations
 import json
 import random
 import sys
+from collections.abc import Sequence
 
-from . import procmem
+from .cgroups import procmem
+from .codec.estimate import Estimate, classify, estimate_pages
+
+
+class ProgressBar:
+    """A one-line progress bar on stderr (redrawn in place on a terminal)."""
+
+    def __init__(self, label: str, stream=None, width: int = 30) -> None:
+        self.label = label
+        self.stream = stream or sys.stderr
+        self.width = width
+        self._last = -1.0
+        self._tty = getattr(self.stream, "isatty", lambda: False)()
+
+    def __call__(self, done: int, total: int) -> None:
+        frac = done / total if total else 1.0
+        if not self._tty and frac < 1.0 and frac - self._last < 0.25:
+            return  # a log file gets a few lines, not thousands
+        if self._tty and frac < 1.0 and frac - self._last < 0.01:
+            return
+        self._last = frac
+        fill = int(frac * self.width)
+        line = f"{self.label} [{'#' * fill}{'.' * (self.width - fill)}] {frac:4.0%} {done}/{total}"
+        self.stream.write(("\r" + line) if self._tty else (line + "\n"))
+        if self._tty and frac >= 1.0:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+def estimate_pids(pids: Sequence[int], *, limit: int | None = 20000, level: int = 3,
+                  dictionaries: bool = True, seed: int = 0, progress: bool = True) -> Estimate:
+    """The estimate for live processes: a sample of their resident anonymous pages."""
+    addresses = 0
+    for pid in pids:
+        try:
+            addresses += len(procmem.resident_anon_addresses(pid))
+        except procmem.ProcMemError:
+            pass
+    bar = ProgressBar("reading memory") if progress else None
+    pages = procmem.process_pages(pids, limit=limit, seed=seed, progress=bar)
+    if not pages:
+        raise procmem.ProcMemError(f"no resident anonymous pages readable in {list(pids)}")
+    bar2 = ProgressBar("compressing   ") if progress else None
+    est = estimate_pages(pages, level=level, dictionaries=dictionaries, seed=seed, progress=bar2)
+    est.pids = list(pids)
+    est.resident_pages = max(addresses, len(pages))
+    return est
 
 
 def register(subparsers) -> None:
@@ -47,7 +94,7 @@ def register(subparsers) -> None:
 
 
 def cmd_list(args) -> int:
-    from .dictionaries import dict_dir, load_manifest
+    from .codec.dictionaries.files import dict_dir, load_manifest
     infos = load_manifest()
     if args.json:
         print(json.dumps([vars(i) for i in infos], indent=1))
@@ -61,16 +108,15 @@ def cmd_list(args) -> int:
 
 
 def _pages(pids, limit) -> list[bytes]:
-    from .estimate import ProgressBar
     pages = procmem.process_pages(pids, limit=limit, progress=ProgressBar("reading memory"))
-    from .estimate import _classify
-    unique, _, _ = _classify(pages)
+    unique, _, _ = classify(pages)
     return unique
 
 
 def cmd_train(args) -> int:
-    from .codec import ZstdCodec, ZstdDictCodec
-    from .dictionaries import sizes, train_content, write_file
+    from .codec.codecs import ZstdCodec, ZstdDictCodec
+    from .codec.dictionaries.files import write_file
+    from .codec.dictionaries.trainer import sizes, train_content
     unique = _pages(args.pid, args.sample)
     if len(unique) < 200:
         print(f"agentzip-blk: error: only {len(unique)} distinct pages; need at least 200",
@@ -93,7 +139,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_show(args) -> int:
-    from .dictionaries import read_file
+    from .codec.dictionaries.files import read_file
     content, meta = read_file(args.file)
     meta = dict(meta, bytes=len(content))
     if args.json:
@@ -107,7 +153,7 @@ def cmd_show(args) -> int:
 
 
 def cmd_estimate(args) -> int:
-    from .estimate import estimate_pids, format_estimate
+    from .codec.estimate import format_estimate
     pids = args.pid or procmem.cgroup_pids(args.cgroup)
     if not pids:
         print(f"agentzip-blk: error: no processes in {args.cgroup}", file=sys.stderr)

@@ -16,8 +16,8 @@ ACTIONS = ("add", "remove", "enable", "disable", "list")
 
 
 def _backend(args):
-    from .cgroup_backends import open_backend
-    from .cgroup_memory import CgroupError
+    from .cgroups.backends import open_backend
+    from .cgroups.fs import CgroupError
 
     try:
         return open_backend(args.cgroup_root or "/")
@@ -26,7 +26,7 @@ def _backend(args):
 
 
 def _release(args, run_dir: str) -> str:
-    from . import scopes
+    from .cgroups import ledger, scopes
 
     backend = _backend(args)
     rel_of = None
@@ -36,7 +36,7 @@ def _release(args, run_dir: str) -> str:
         def rel_of(e):
             d = e.path.rsplit("/", 1)[0]
             return backend.rel_of(d) if d.startswith(mount) or d == backend.mount else e.cgroup
-    report = scopes.release_unscoped(run_dir, scopes.list_scopes(args.config), rel_of=rel_of)
+    report = ledger.release_unscoped(run_dir, scopes.list_scopes(args.config), rel_of=rel_of)
     if not (report.restored or report.gone or report.failed):
         return ""
     cgs = sorted({e.cgroup for e in report.restored})
@@ -44,7 +44,8 @@ def _release(args, run_dir: str) -> str:
 
 
 def cmd_scope(args) -> int:
-    from . import cli, scopes
+    from . import cli
+    from .cgroups import scopes
     from .config import DEFAULT_CONFIG_PATH
 
     path = args.config or DEFAULT_CONFIG_PATH
@@ -79,7 +80,9 @@ def _writable(path: str) -> bool:
 
 
 def _list(args, path: str) -> int:
-    from . import cli, scopes
+    from . import cli
+    from .cgroups import scopes
+    from .cgroups.ledger import Ledger
 
     scope_list = scopes.list_scopes(args.config)
     backend = _backend(args)
@@ -89,7 +92,7 @@ def _list(args, path: str) -> int:
         matches = scopes.scoped_cgroups(paths, [type(s)(s.cgroup, True)]) if paths else []
         rows.append({"cgroup": s.cgroup, "enabled": s.enabled, "matches": matches})
     try:
-        ledger = scopes.Ledger(cli._run_dir(args)).entries()
+        ledger = Ledger(cli._run_dir(args)).entries()
     except Exception:
         ledger = []
     tuned: dict[str, list[str]] = {}

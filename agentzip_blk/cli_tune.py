@@ -17,7 +17,7 @@ import threading
 
 def _settings(args, config):
     from . import cli
-    from .tuner import TunerSettings
+    from .cgroups.tuner.controller import TunerSettings
 
     floor = cli._parse_size(args.floor) if args.floor else None
     target = args.pressure_target / 100.0 if args.pressure_target is not None else None
@@ -35,7 +35,7 @@ def _scopes_reader(config_path: str | None, config, log):
     """Scopes re-read from the file every step, so `scope` edits apply at once; a broken
     edit keeps the last good list (and says so once)."""
     from .config import ConfigError
-    from .scopes import list_scopes
+    from .cgroups.scopes import list_scopes
 
     last = {"scopes": list(config.scopes), "error": None}
 
@@ -56,12 +56,13 @@ def _scopes_reader(config_path: str | None, config, log):
 
 def cmd_tune(args) -> int:
     from . import cli, control, system
-    from .cgroup_backends import open_backend
+    from .cgroups.backends import open_backend
     from .config import DEFAULT_CONFIG_PATH
     from .device import RunState
-    from .scopes import Ledger
-    from .tuner import Tuner, TunerBusy, acquire_instance, release_instance
-    from .units import format_bytes
+    from .cgroups.ledger import Ledger
+    from .cgroups.tuner.daemon import TunerBusy, acquire_instance, release_instance
+    from .cgroups.tuner.loop import Tuner
+    from .config.quantities import format_bytes
 
     root = args.cgroup_root or "/"
     if root == "/":
@@ -174,7 +175,7 @@ def _wrap_up(sub) -> None:
         if rc != 0 or not args.tune:
             return rc
         from . import cli
-        from .tuner import start_daemon
+        from .cgroups.tuner.daemon import start_daemon
 
         config = cli._load_config(args)
         if not any(s.enabled for s in config.scopes):

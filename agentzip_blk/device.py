@@ -382,7 +382,7 @@ def swapoff_fits(used: int, mem: dict[str, int]) -> tuple[bool, int, int]:
 
 def _fmt(n: int) -> str:
     try:
-        from .units import format_bytes
+        from .config.quantities import format_bytes
         return format_bytes(n)
     except Exception:  # units.py missing or different: plain MiB
         return f"{n / 1048576:.1f}M"
@@ -771,10 +771,10 @@ def down(run_dir: str | None = None, force: bool = False, *, config=None,
 
 
 def _release_cgroups(run_dir: str) -> str:
-    """Stop the tuner and put back every cgroup setting it recorded (scopes.Ledger), before
+    """Stop the tuner and put back every cgroup setting it recorded (cgroups.ledger.Ledger), before
     swapoff: pages coming back must not meet the tuner's squeezed limits."""
-    from .scopes import release_all
-    from .tuner import stop_daemon
+    from .cgroups.ledger import release_all
+    from .cgroups.tuner.daemon import stop_daemon
 
     stop_daemon(run_dir)
     report = release_all(run_dir)

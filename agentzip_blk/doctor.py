@@ -69,9 +69,9 @@ def _under(root: str, path: str) -> str:
 
 def gather(run_dir: str, config=None, root: str = "/") -> Facts:
     from . import device
-    from .cgroup_backends import open_backend
-    from .cgroup_memory import CgroupError
-    from .scopes import scoped_cgroups
+    from .cgroups.backends import open_backend
+    from .cgroups.fs import CgroupError
+    from .cgroups.scopes import scoped_cgroups
 
     f = Facts(kernel=os.uname().release)
     backend = None

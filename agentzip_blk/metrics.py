@@ -216,8 +216,9 @@ class CgroupSource:
         return self._last
 
     def _collect(self) -> dict | None:
-        from . import cgstats, system
-        from .cgroup_backends import open_backend
+        from . import system
+        from .cgroups import cgstats
+        from .cgroups.backends import open_backend
         from .config import load_config
         from .device import RunState
 

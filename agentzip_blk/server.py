@@ -11,12 +11,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from . import dictionaries, latency, protect, system
+from . import latency, protect, system
+from .codec import dictionaries
 from .config import Config, load_config
+from .config.quantities import parse_size
 from .control import ControlServer
-from .maintenance import Maintainer
 from .store import PageStore
-from .units import parse_size
+from .store.tiering import Maintainer
 
 PLUGIN_KEYS = ("config", "size", "control")
 
@@ -65,8 +66,8 @@ class Server:
     @classmethod
     def from_keys(cls, keys: dict[str, str]) -> Server:
         options = ServerOptions.from_keys(keys)
-        dictionaries.publish_names()  # unknown dictionary names become config errors
-        config = load_config(options.config_path)
+        # unknown dictionary names become config errors
+        config = load_config(options.config_path, known_dictionaries=dictionaries.known_names())
         dictionaries.check_setting(config)  # a bad dictionary file stops nbdkit before it listens
         return cls(options, config)
 

@@ -27,7 +27,7 @@ from agentzip_blk import protect  # noqa: E402
 protect.lock_memory()  # before the heavy imports fault their pages in; again after fork
 
 from agentzip_blk.server import Server  # noqa: E402
-from agentzip_blk.store import OutOfRange, StoreFull  # noqa: E402
+from agentzip_blk.errors import OutOfRange, StoreFull  # noqa: E402
 
 API_VERSION = 2
 

@@ -93,7 +93,7 @@ def real_v1():
     we are root."""
     import pytest
 
-    from agentzip_blk.cgroup_memory import CgroupError, detect
+    from agentzip_blk.cgroups.fs import CgroupError, detect
 
     if os.geteuid() != 0:
         pytest.skip("needs root to create memory cgroups")

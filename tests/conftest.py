@@ -8,15 +8,6 @@ import sys
 
 import pytest
 
-from agentzip_blk import config as config_module
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dictionary_names(monkeypatch):
-    """Entry points install the known dictionary names process-wide (config.KNOWN_DICTIONARIES);
-    every test starts without them so that test order does not matter."""
-    monkeypatch.setattr(config_module, "KNOWN_DICTIONARIES", None)
-
 
 # Swap areas are host-wide: two test runs that attach devices at the same time share them
 # (the kernel spreads every cgroup's pages over all areas of the top priority), so one run's

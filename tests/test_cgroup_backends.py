@@ -1,4 +1,4 @@
-"""agentzip_blk.cgroup_backends: v2 and hybrid on fake trees, v1 on the real controller."""
+"""agentzip_blk.cgroups.backends: v2 and hybrid on fake trees, v1 on the real controller."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import os
 import subprocess
 import sys
 
-from agentzip_blk.cgroup_backends import (V1Backend, V2Backend, open_backend, parse_psi)
-from agentzip_blk.cgroup_memory import MemoryCgroup
-from agentzip_blk.scopes import Ledger
+from agentzip_blk.cgroups.backends import V1Backend, V2Backend, open_backend, parse_psi
+from agentzip_blk.cgroups.fs import MemoryCgroup
+from agentzip_blk.cgroups.ledger import Ledger
 from cgfake import fake_hybrid, fake_v2, r, real_v1, w
 
 SANDBOX = "/agents/agent-sandbox-1.slice"

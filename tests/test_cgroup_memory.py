@@ -1,4 +1,4 @@
-"""agentzip_blk.cgroup_memory: v2 logic on a fake cgroupfs tree, v1 on the real controller."""
+"""agentzip_blk.cgroups.fs: v2 logic on a fake cgroupfs tree, v1 on the real controller."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from agentzip_blk.cgroup_memory import (CgroupError, LimitBusy, MemoryCgroup, detect)
+from agentzip_blk.cgroups.fs import CgroupError, LimitBusy, MemoryCgroup, detect
 from cgfake import real_v1
 
 

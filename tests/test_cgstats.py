@@ -1,4 +1,4 @@
-"""agentzip_blk.cgstats: pagemap swap entries (fake /proc), the join with per-slot sizes, the
+"""agentzip_blk.cgroups.cgstats: pagemap swap entries (fake /proc), the join with per-slot sizes, the
 chunked `slots` requests against a real server. The real end to end is in test_scoped_swap."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import struct
 import numpy as np
 import pytest
 
-from agentzip_blk import cgstats
-from agentzip_blk.cgroup_backends import open_backend
-from agentzip_blk.cgstats import CgroupSwap, SwapEntries, account, collect, our_swap_type, swap_entries
+from agentzip_blk.cgroups import cgstats
+from agentzip_blk.cgroups.backends import open_backend
+from agentzip_blk.cgroups.cgstats import CgroupSwap, SwapEntries, account, collect, our_swap_type, swap_entries
 from cgfake import fake_v2, w
 
 PAGE = 4096

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agentzip_blk import config as config_mod
+from agentzip_blk.config import load as config_mod
 from agentzip_blk.config import (
     CompressionConfig,
     Config,
@@ -51,9 +51,9 @@ def with_value(section, key, value):
     return {section: {key: value}}
 
 
-def error_for(data):
+def error_for(data, **kwargs):
     with pytest.raises(ConfigError) as info:
-        parse_config(data)
+        parse_config(data, **kwargs)
     return str(info.value)
 
 
@@ -127,7 +127,7 @@ def valid_configs(draw):
             "dictionary": draw(st.one_of(st.sampled_from(["auto", "prebuilt", "none"]),
                                          st.lists(names, min_size=1, max_size=4, unique=True))),
             "page_size": 4096,
-            "unit_pages": draw(st.integers(1, 16)),
+            "frame_pages": draw(st.integers(1, 16)),
         },
         "pool": {
             "max_size": draw(st.integers(1 << 20, 1 << 44)),
@@ -195,6 +195,9 @@ BAD_VALUES = [
     ("compression", "unit_pages", 17, "1-16 pages"),
     ("compression", "unit_pages", "4", "integer"),
     ("compression", "unit_pages", True, "integer"),
+    ("compression", "frame_pages", 0, "1-16 pages"),
+    ("compression", "frame_pages", 17, "1-16 pages"),
+    ("compression", "frame_pages", "4", "integer"),
     ("device", "rotational", "yes", "true or false"),
     ("device", "rotational", 1, "true or false"),
     ("pool", "max_size", 0, "too small"),
@@ -298,17 +301,18 @@ def test_dictionary_forms(value, expected):
     assert parse_config({"compression": {"dictionary": value}}).compression.dictionary == expected
 
 
-def test_known_dictionaries_hook(monkeypatch):
-    monkeypatch.setattr(config_mod, "KNOWN_DICTIONARIES", {"python312", "v8"})
-    assert parse_config({"compression": {"dictionary": "v8"}}).compression.dictionary == ["v8"]
-    assert parse_config({"compression": {"dictionary": "auto"}}).compression.dictionary == "auto"
-    message = error_for({"compression": {"dictionary": "python312,rust"}})
+def test_known_dictionaries_hook():
+    known = {"python312", "v8"}
+    assert parse_config({"compression": {"dictionary": "v8"}},
+                        known_dictionaries=known).compression.dictionary == ["v8"]
+    assert parse_config({"compression": {"dictionary": "auto"}},
+                        known_dictionaries=known).compression.dictionary == "auto"
+    message = error_for({"compression": {"dictionary": "python312,rust"}}, known_dictionaries=known)
     assert message.startswith("compression.dictionary: ")
     assert "'rust'" in message and "python312, v8" in message
 
 
 def test_known_dictionaries_unset_accepts_any_valid_name():
-    assert config_mod.KNOWN_DICTIONARIES is None
     assert parse_config({"compression": {"dictionary": "whatever"}}).compression.dictionary == ["whatever"]
 
 

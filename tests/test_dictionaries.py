@@ -11,10 +11,13 @@ import shutil
 import numpy as np
 import pytest
 
-from agentzip_blk import config as config_mod
-from agentzip_blk import dictionaries as dicts
-from agentzip_blk import procmem
-from agentzip_blk.codec import ZstdCodec, ZstdDictCodec
+from agentzip_blk.codec.dictionaries import files as dicts
+from agentzip_blk.codec.dictionaries import known_names
+from agentzip_blk.codec.dictionaries.registry import DictionaryRegistry
+from agentzip_blk.codec.dictionaries.selector import Selector
+from agentzip_blk.codec.dictionaries.trainer import HostTrainer, train_content
+from agentzip_blk.cgroups import procmem
+from agentzip_blk.codec.codecs import ZstdCodec, ZstdDictCodec
 from agentzip_blk.config import ConfigError, parse_config
 from agentzip_blk.store import PageStore
 
@@ -60,14 +63,13 @@ def test_every_page_round_trips_with_every_dictionary():
             assert codec.decompress(codec.compress(p)) == p
 
 
-def test_config_rejects_an_unknown_name_listing_the_known_ones(monkeypatch):
-    monkeypatch.setattr(config_mod, "KNOWN_DICTIONARIES", None)
-    dicts.publish_names()  # what the server and the CLI do before loading a config
-    assert config_mod.KNOWN_DICTIONARIES == {i.name for i in dicts.load_manifest()}
-    assert parse_config({"compression": {"dictionary": "python311,v8"}}).compression.dictionary == [
-        "python311", "v8"]
+def test_config_rejects_an_unknown_name_listing_the_known_ones():
+    known = known_names()  # what the server and the CLI pass when they load a config
+    assert known == {i.name for i in dicts.load_manifest()}
+    assert parse_config({"compression": {"dictionary": "python311,v8"}},
+                        known_dictionaries=known).compression.dictionary == ["python311", "v8"]
     with pytest.raises(ConfigError) as e:
-        parse_config({"compression": {"dictionary": "python311,cobol"}})
+        parse_config({"compression": {"dictionary": "python311,cobol"}}, known_dictionaries=known)
     assert "cobol" in str(e.value) and "python311" in str(e.value) and "chromium" in str(e.value)
 
 
@@ -122,11 +124,11 @@ def test_page_written_with_one_dictionary_reads_back_after_another_is_adopted():
     b_pages = text_pages(40, 2)
     store = PageStore(128 * PAGE, max_size=64 << 20, dictionary="none")
     registry = store.dicts.registry
-    old = registry.add("first", dicts.train_content(text_pages(300, 10), 16384), "host")
+    old = registry.add("first", train_content(text_pages(300, 10), 16384), "host")
     store.write(b"".join(a_pages), 0)
     assert set(store.blobs.dict_id[store.blobs.live()].tolist()) == {old.id}
     # adopt another one (what HostTrainer does): the old leaves the candidates, stays loaded
-    new = registry.add("second", dicts.train_content(text_pages(300, 20), 16384), "host")
+    new = registry.add("second", train_content(text_pages(300, 20), 16384), "host")
     registry.retire(old.id)
     store.write(b"".join(b_pages), 40 * PAGE)
     ids = store.blobs.dict_id[store.handle[40:80].astype(np.int64)]
@@ -164,8 +166,8 @@ def test_auto_trains_and_adopts_a_host_dictionary_that_wins(monkeypatch):
 
 
 def test_auto_does_not_adopt_a_dictionary_that_does_not_win():
-    registry = dicts.DictionaryRegistry.from_setting("none")
-    trainer = dicts.HostTrainer(registry, background=False)
+    registry = DictionaryRegistry.from_setting("none")
+    trainer = HostTrainer(registry, background=False)
     rnd = random.Random(3)
     noise = [rnd.randbytes(PAGE) for _ in range(500)]
     assert trainer.train_and_maybe_adopt(noise[:400], noise[400:]) is False
@@ -173,8 +175,8 @@ def test_auto_does_not_adopt_a_dictionary_that_does_not_win():
 
 
 def test_selection_picks_none_when_dictionaries_do_not_help():
-    registry = dicts.DictionaryRegistry.from_setting("prebuilt")
-    selector = dicts.Selector(ZstdCodec(3), registry, budget=10.0)
+    registry = DictionaryRegistry.from_setting("prebuilt")
+    selector = Selector(ZstdCodec(3), registry, budget=10.0)
     rnd = random.Random(4)
     noise = [bytes(rnd.randrange(4) for _ in range(PAGE)) for _ in range(8)]
     choice = selector.choose(noise)
@@ -182,7 +184,7 @@ def test_selection_picks_none_when_dictionaries_do_not_help():
 
 
 def test_file_format_round_trip_and_corruption(tmp_path):
-    content = dicts.train_content(text_pages(300, 7), 16384)
+    content = train_content(text_pages(300, 7), 16384)
     path = tmp_path / "h.dict"
     dicts.write_file(str(path), content, {"name": "h"})
     got, meta = dicts.read_file(str(path))
@@ -197,7 +199,6 @@ def test_file_format_round_trip_and_corruption(tmp_path):
 def test_server_refuses_to_start_on_a_corrupt_dictionary(dict_copy, tmp_path, monkeypatch):
     """nbdkit's config_complete path: Server.from_keys checks the files before listening."""
     from agentzip_blk.server import Server
-    monkeypatch.setattr(config_mod, "KNOWN_DICTIONARIES", None)  # restored after the test
     cfg = tmp_path / "config.yaml"
     cfg.write_text(f"compression: {{dictionary: prebuilt}}\npool: {{swap_out_path: {tmp_path}/swap}}\n")
     Server.from_keys({"config": str(cfg), "size": str(1 << 20)})  # intact copy: fine

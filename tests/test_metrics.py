@@ -28,7 +28,7 @@ from nbdkit_server import nbdkit_available, start_server
 nbd = pytest.importorskip("nbd", reason="python3-libnbd not installed")
 
 PAGE = 4096
-DICTS = Path(agentzip_blk.__file__).parent / "dicts"
+DICTS = Path(agentzip_blk.__file__).parent / "codec" / "dicts"
 SIZE = 64 << 20
 
 
@@ -99,7 +99,7 @@ def test_scrape_matches_stats_json(tmp_path):
     # One named dictionary: it is the only candidate; pages compressed alone (a dictionary
     # applies only to those, not to multi-page units).
     config = tmp_path / "config.yaml"
-    config.write_text(f"compression:\n  dictionary: python312\n  unit_pages: 1\n"
+    config.write_text(f"compression:\n  dictionary: python312\n  frame_pages: 1\n"
                       f"pool:\n  swap_out_path: {tmp_path / 'disk-tier'}\n")
     srv = start_server(tmp_path, size=str(SIZE), config=config)
     try:

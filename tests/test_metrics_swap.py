@@ -17,13 +17,15 @@ import time
 
 import pytest
 
-from agentzip_blk import cgstats, control, device, metrics, scopes, system
-from agentzip_blk.cgroup_backends import open_backend
-from agentzip_blk.cgroup_memory import MemoryCgroup, detect
+from agentzip_blk import control, device, metrics, system
+from agentzip_blk.cgroups import cgstats, scopes
+from agentzip_blk.cgroups.backends import open_backend
+from agentzip_blk.cgroups.fs import MemoryCgroup, detect
 from agentzip_blk.config import load_config
-from agentzip_blk.demo import Workload
-from agentzip_blk.scopes import Ledger
-from agentzip_blk.tuner import Tuner, TunerSettings
+from agentzip_blk.demo.workload import Workload
+from agentzip_blk.cgroups.ledger import Ledger
+from agentzip_blk.cgroups.tuner.loop import Tuner
+from agentzip_blk.cgroups.tuner.controller import TunerSettings
 from test_metrics import exporter, scrape, stats_json
 from test_scoped_swap import _skip_reason
 

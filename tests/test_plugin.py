@@ -125,7 +125,7 @@ def test_plugin_maps_store_errors_to_errno(monkeypatch):
     import types
 
     from agentzip_blk import protect
-    from agentzip_blk.store import OutOfRange, StoreFull
+    from agentzip_blk.errors import OutOfRange, StoreFull
 
     monkeypatch.setattr(protect, "lock_memory", lambda: None)  # not the test process
     calls = []

@@ -32,13 +32,15 @@ import time
 
 import pytest
 
-from agentzip_blk import cgstats, cli, control, device, scopes, system
-from agentzip_blk.cgroup_backends import open_backend
-from agentzip_blk.cgroup_memory import CgroupError, MemoryCgroup, detect
+from agentzip_blk import cli, control, device, system
+from agentzip_blk.cgroups import cgstats, scopes
+from agentzip_blk.cgroups.backends import open_backend
+from agentzip_blk.cgroups.fs import CgroupError, MemoryCgroup, detect
 from agentzip_blk.config import load_config
-from agentzip_blk.demo import Workload
-from agentzip_blk.scopes import Ledger
-from agentzip_blk.tuner import Tuner, TunerSettings
+from agentzip_blk.demo.workload import Workload
+from agentzip_blk.cgroups.ledger import Ledger
+from agentzip_blk.cgroups.tuner.loop import Tuner
+from agentzip_blk.cgroups.tuner.controller import TunerSettings
 
 pytestmark = pytest.mark.swap
 
@@ -219,7 +221,7 @@ def test_up_tune_starts_the_tuner_and_down_restores(tmp_path):
     import subprocess
     import sys
 
-    from agentzip_blk.tuner import running_pid
+    from agentzip_blk.cgroups.tuner.daemon import running_pid
 
     glob = f"azt-uptune-{os.getpid()}"
     run_dir = str(tmp_path / "run")

@@ -1,4 +1,4 @@
-"""agentzip_blk.scopes: glob matching, config edits that keep comments, the restore ledger,
+"""agentzip_blk.cgroups.scopes and .ledger: glob matching, config edits that keep comments, the restore ledger,
 and the `scope` CLI on a fake cgroup v2 tree."""
 
 from __future__ import annotations
@@ -9,9 +9,11 @@ import stat
 
 import pytest
 
-from agentzip_blk import cli, scopes
+from agentzip_blk import cli
+from agentzip_blk.cgroups import ledger, scopes
 from agentzip_blk.config import ConfigError, Scope, load_config
-from agentzip_blk.scopes import Ledger, covered, match, scoped_cgroups
+from agentzip_blk.cgroups.ledger import Ledger
+from agentzip_blk.cgroups.scopes import covered, match, scoped_cgroups
 from cgfake import fake_v2, r, w
 
 # --- matching ---------------------------------------------------------------------------------
@@ -151,7 +153,7 @@ def test_ledger_records_before_writing_and_restores(tmp_path):
     led.write(str(cg / "memory.high"), "1000")
     led.write(str(cg / "memory.high"), "900")  # the original stays the first one seen
     led.write(str(cg / "memory.swap.max"), "max")
-    on_disk = json.loads(r(str(tmp_path / "run" / scopes.LEDGER_FILE)))
+    on_disk = json.loads(r(str(tmp_path / "run" / ledger.LEDGER_FILE)))
     assert [(os.path.basename(e["path"]), e["original"], e["last"]) for e in on_disk["entries"]] == [
         ("memory.high", "max", "900"), ("memory.swap.max", "0", "max")]
     # another process (a new Ledger object) sees the same record
@@ -159,26 +161,26 @@ def test_ledger_records_before_writing_and_restores(tmp_path):
     assert len(report.restored) == 2 and not report.failed
     assert r(str(cg / "memory.high")) == "max"
     assert r(str(cg / "memory.swap.max")) == "0"
-    assert not os.path.exists(tmp_path / "run" / scopes.LEDGER_FILE)
+    assert not os.path.exists(tmp_path / "run" / ledger.LEDGER_FILE)
 
 
 def test_ledger_write_ahead_survives_a_failed_write(tmp_path, monkeypatch):
     cg = tmp_path / "cg"
     w(str(cg / "memory.high"), "max\n")
-    real_write = scopes._write
+    real_write = ledger.write_file
 
     def crash(path, value, create=False):
         raise OSError(5, "Input/output error")  # e.g. the tuner dies inside the write
 
-    monkeypatch.setattr(scopes, "_write", crash)
+    monkeypatch.setattr(ledger, "write_file", crash)
     with pytest.raises(OSError):
         Ledger(str(tmp_path / "run")).write(str(cg / "memory.high"), "5")
-    monkeypatch.setattr(scopes, "_write", real_write)
+    monkeypatch.setattr(ledger, "write_file", real_write)
     # the original was on disk before the write was tried
     entries = Ledger(str(tmp_path / "run")).entries()
     assert [(e.original, e.last) for e in entries] == [("max", "")]
     w(str(cg / "memory.high"), "5")  # as if the write had landed after all
-    assert len(scopes.release_all(str(tmp_path / "run")).restored) == 1
+    assert len(ledger.release_all(str(tmp_path / "run")).restored) == 1
     assert r(str(cg / "memory.high")) == "max"
 
 
@@ -209,12 +211,12 @@ def test_release_unscoped_restores_only_uncovered(tmp_path):
     for n, d in cgs.items():
         w(str(d / "memory.high"), "max\n")
         led.write(str(d / "memory.high"), "7")
-    report = scopes.release_unscoped(str(tmp_path / "run"), [Scope("agent-1"), Scope("other")])
+    report = ledger.release_unscoped(str(tmp_path / "run"), [Scope("agent-1"), Scope("other")])
     assert [e.cgroup for e in report.restored] == ["/agent-2"]
     assert r(str(cgs["agent-2"] / "memory.high")) == "max"
     assert r(str(cgs["agent-1"] / "memory.high")) == "7"
     assert sorted(led.cgroups()) == ["/agent-1", "/other"]
-    assert len(scopes.release_all(str(tmp_path / "run")).restored) == 2
+    assert len(ledger.release_all(str(tmp_path / "run")).restored) == 2
     assert r(str(cgs["other"] / "memory.high")) == "max"
 
 

@@ -10,7 +10,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from agentzip_blk.store import OutOfRange, PageStore, StoreFull
+from agentzip_blk.errors import OutOfRange, StoreFull
+
+from agentzip_blk.store import PageStore
 
 PAGE = 4096
 DEVICE = 64 * PAGE
@@ -49,7 +51,7 @@ class StoreModel(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.store = PageStore(DEVICE, max_size=64 << 20, unit_pages=self.UNIT_PAGES)
+        self.store = PageStore(DEVICE, max_size=64 << 20, frame_pages=self.UNIT_PAGES)
         self.model = bytearray(DEVICE)
 
     offsets = st.one_of(
@@ -222,8 +224,8 @@ def test_bad_sizes_rejected():
         PageStore(DEVICE, algorithm="gzip")
 
 
-@pytest.mark.parametrize("unit_pages", [1, 8])
-def test_pool_memory_is_counted_as_the_kernel_sees_it(unit_pages: int):
+@pytest.mark.parametrize("frame_pages", [1, 8])
+def test_pool_memory_is_counted_as_the_kernel_sees_it(frame_pages: int):
     """stored_mem counts the pages of arenas actually touched; mincore on every arena must
     agree (a fresh arena holding one cell costs that cell's pages, not the whole arena), or
     count at most one page per arena more (a blob shorter than its cell leaves the cell's
@@ -232,7 +234,7 @@ def test_pool_memory_is_counted_as_the_kernel_sees_it(unit_pages: int):
 
     from agentzip_blk.protect import resident_bytes
 
-    store = PageStore(DEVICE, max_size=64 << 20, unit_pages=unit_pages)
+    store = PageStore(DEVICE, max_size=64 << 20, frame_pages=frame_pages)
     rnd = random.Random(3)
     for slot in range(0, 60, 3):  # scattered sizes: many classes with one partial arena each
         data = b"".join(page_content(rnd.choice(["text", "random", "dup"]), rnd.randrange(99))
@@ -253,7 +255,7 @@ def test_the_slot_table_costs_only_the_chunks_in_use():
     table pages, and neither a whole-device discard (what swapon and a sandbox's exit send)
     nor stats may fault in the rest."""
     from agentzip_blk.protect import array_resident_bytes
-    from agentzip_blk.store import CHUNK_SLOTS
+    from agentzip_blk.store.slots import CHUNK_SLOTS
 
     size = 4 << 30
     store = PageStore(size, max_size=64 << 20)

@@ -1,4 +1,4 @@
-"""Multi-page compression units (`compression.unit_pages`): a unit holds the new pages of a
+"""Multi-page compression frames (`compression.frame_pages`): a frame holds the new pages of a
 request compressed together; every slot stays independently readable, writable and
 trimmable, and the unit is freed with its last page. Every read is compared byte for byte."""
 
@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from agentzip_blk.blobs import DISK
-from agentzip_blk.codec import CodecError
+from agentzip_blk.store.blobs import DISK
+from agentzip_blk.errors import CodecError
 from agentzip_blk.store import PageStore, Tiering
 
 PAGE = 4096
@@ -27,8 +27,8 @@ def pages(first_seed: int, n: int) -> bytes:
     return b"".join(text_page(first_seed + i) for i in range(n))
 
 
-def store(unit_pages: int = 4, **kw) -> PageStore:
-    return PageStore(DEVICE, max_size=64 << 20, unit_pages=unit_pages, **kw)
+def store(frame_pages: int = 4, **kw) -> PageStore:
+    return PageStore(DEVICE, max_size=64 << 20, frame_pages=frame_pages, **kw)
 
 
 def read_pages(st: PageStore, slot: int, n: int) -> bytes:
@@ -165,7 +165,7 @@ def test_units_with_every_codec(algorithm: str, level: int):
     data = pages(0, 9)
     st.write(data, 0)
     assert st.stats()["units"] == 2  # 4 + 4; the ninth page alone
-    st.units = type(st.units)(0)  # no cached copies: decode from the pool every time
+    st.frames = type(st.frames)(0)  # no cached copies: decode from the pool every time
     assert read_pages(st, 0, 9) == data
     st.check()
 
@@ -175,7 +175,7 @@ def test_a_unit_decoded_to_the_wrong_size_is_an_error():
     st.write(pages(0, 4), 0)
     blob = int(st.handle[0])
     st.blobs.pages[blob] = 3  # the books now disagree with the stored frame
-    st.units = type(st.units)(0)
+    st.frames = type(st.frames)(0)
     with pytest.raises(CodecError):
         st.read(0, PAGE)
 
@@ -184,7 +184,7 @@ def test_units_in_the_disk_tier_read_back_and_come_home(tmp_path):
     now = [100.0]
     tiering = Tiering(max_size=96 * 1024, reclaim_threshold=50,
                       swap_out_path=str(tmp_path / "disk-tier"), cold_grace_period=1.0)
-    st = PageStore(DEVICE, tiering=tiering, clock=lambda: now[0], unit_pages=4)
+    st = PageStore(DEVICE, tiering=tiering, clock=lambda: now[0], frame_pages=4)
     data = pages(0, 200)  # more than the pool: later units go straight to disk
     st.write(data, 0)
     stats = st.stats()
@@ -193,7 +193,7 @@ def test_units_in_the_disk_tier_read_back_and_come_home(tmp_path):
     st.maintain()  # demotes cold units
     assert st.stats()["demotions"] > 0
     st.check()
-    st.units = type(st.units)(0)
+    st.frames = type(st.frames)(0)
     assert read_pages(st, 0, 200) == data
     on_disk = [s for s in range(200) if st.blobs.tier[int(st.handle[s])] == DISK]
     in_pool = [s for s in range(200) if st.blobs.tier[int(st.handle[s])] != DISK]
@@ -211,7 +211,7 @@ def test_units_in_the_disk_tier_read_back_and_come_home(tmp_path):
 def test_bad_unit_sizes_rejected():
     for bad in (0, 17):
         with pytest.raises(ValueError):
-            PageStore(DEVICE, unit_pages=bad)
+            PageStore(DEVICE, frame_pages=bad)
 
 
 def test_sparse_units_are_rewritten_without_their_dead_pages():

@@ -8,7 +8,8 @@ import shutil
 
 import pytest
 
-from agentzip_blk import demo, system
+from agentzip_blk import system
+from agentzip_blk.demo import driver as demo
 from agentzip_blk.config import Config
 
 MiB = 1 << 20

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from agentzip_blk import cli, units_install
+from agentzip_blk import cli
+from agentzip_blk.fleet import systemd as units_install
 
 ANALYZE = shutil.which("systemd-analyze")
 needs_analyze = pytest.mark.skipif(

@@ -13,8 +13,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from agentzip_blk.blobs import DISK, POOL
-from agentzip_blk.store import BLOB, PageStore, StoreFull, Tiering
+from agentzip_blk.store.blobs import DISK, POOL
+from agentzip_blk.store.slots import BLOB
+from agentzip_blk.store import PageStore, Tiering
+from agentzip_blk.errors import StoreFull
 
 PAGE = 4096
 N_PAGES = 700  # ~750 KiB of cells: past a 50% threshold of a 1 MiB pool
@@ -227,7 +229,7 @@ class TieredModel(RuleBasedStateMachine):
             cold_grace_period=2.0, hot_cache_size=16 * 1024,
         )
         self.store = PageStore(128 * PAGE, tiering=tiering, clock=self.clock,
-                               unit_pages=self.UNIT_PAGES)
+                               frame_pages=self.UNIT_PAGES)
         self.model = bytearray(128 * PAGE)
 
     @rule(slot=st.integers(0, 127), pages=st.integers(1, 8), seed=st.integers(0, 50),
@@ -312,11 +314,11 @@ def test_rebase_keeps_order(tmp_path):
     store._rebase(int(before[0]) - 1)
     after = store.blobs.atime[[int(store.handle[0]), int(store.handle[1])]].astype(np.int64)
     assert after[1] - after[0] == before[1] - before[0]
-    assert store._now() >= after[1]
+    assert store.now() >= after[1]
 
 
 def test_failed_writeback_during_demotion_keeps_pages_in_the_pool(tmp_path, monkeypatch):
-    from agentzip_blk.disk import DiskError, DiskTier
+    from agentzip_blk.store.disk import DiskError, DiskTier
 
     clock = Clock()
     store = make_store(tmp_path, clock, max_size=1 << 20, reclaim_threshold=50)

@@ -1,4 +1,4 @@
-"""agentzip_blk.tuner: the controller with injected pressure and clock, the pressure meter,
+"""agentzip_blk.cgroups.tuner: the controller with injected pressure and clock, the pressure meter,
 and the Tuner loop on a fake cgroup v2 tree (files, ledger, one log line per decision)."""
 
 from __future__ import annotations
@@ -8,10 +8,11 @@ import re
 
 import pytest
 
-from agentzip_blk.cgroup_backends import Counters, open_backend
+from agentzip_blk.cgroups.backends import Counters, open_backend
 from agentzip_blk.config import Scope, parse_config
-from agentzip_blk.scopes import Ledger
-from agentzip_blk.tuner import Controller, PressureMeter, Tuner, TunerSettings
+from agentzip_blk.cgroups.ledger import Ledger
+from agentzip_blk.cgroups.tuner.controller import Controller, PressureMeter, TunerSettings
+from agentzip_blk.cgroups.tuner.loop import Tuner
 from cgfake import fake_v2, r, w
 
 MiB = 1 << 20

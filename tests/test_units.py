@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agentzip_blk.units import format_bytes, parse_duration, parse_size
+from agentzip_blk.config.quantities import format_bytes, parse_duration, parse_size
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 

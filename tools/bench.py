@@ -50,8 +50,9 @@ for _p in (REPO, WORKLOADS_DIR, os.path.dirname(os.path.abspath(__file__))):
 
 import bench_report  # noqa: E402
 import pagewalk  # noqa: E402
-from agentzip_blk import demo, system  # noqa: E402
-from agentzip_blk.cgroup_memory import CgroupError, MemoryCgroup  # noqa: E402
+from agentzip_blk import system  # noqa: E402
+from agentzip_blk.demo import backends, common, driver, workload  # noqa: E402
+from agentzip_blk.cgroups.fs import CgroupError, MemoryCgroup  # noqa: E402
 
 MiB = 1 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -76,7 +77,7 @@ class SwapConfig:
     algorithm: str
     level: int | None = None
     dictionary: str | None = None  # agentzip: compression.dictionary; None = the default
-    unit_pages: int | None = None  # agentzip: compression.unit_pages; None = the default
+    frame_pages: int | None = None  # agentzip: compression.frame_pages; None = the default
 
     @property
     def is_zram(self) -> bool:
@@ -98,12 +99,12 @@ def workloads(python: str) -> dict[str, WorkloadSpec]:
 
 
 def dictionaries_supported() -> bool:
-    return importlib.util.find_spec("agentzip_blk.dictionaries") is not None
+    return importlib.util.find_spec("agentzip_blk.codec.dictionaries") is not None
 
 
 def swap_configs(with_dictionaries: bool) -> list[SwapConfig]:
     """zram, agentzip-blk at its defaults, and variants: each page compressed alone (the
-    codecs side by side with zram's), and multi-page units of 4-16 pages."""
+    codecs side by side with zram's), and multi-page frames of 4-16 pages."""
     out = [SwapConfig("zram-lz4", "zram", "lz4"), SwapConfig("zram-lzo-rle", "zram", "lzo-rle"),
            SwapConfig("agentzip-default", "agentzip", "default"),
            SwapConfig("agentzip-lz4", "agentzip", "lz4", 1, "none", 1),
@@ -149,7 +150,7 @@ def _lock_held_by_ancestor(path: str) -> bool:
 
 
 @contextlib.contextmanager
-def swap_lock(prog: demo.Progress, waited: list[float], path: str = SWAP_LOCK):
+def swap_lock(prog: driver.Progress, waited: list[float], path: str = SWAP_LOCK):
     """Hold the machine-wide swap lock; seconds spent waiting for it are appended to *waited*."""
     if _lock_held_by_ancestor(path):
         yield  # the caller ran us under flock(1): the lock is already ours
@@ -254,7 +255,7 @@ class Options:
 
 class Bench:
     def __init__(self, specs: list[WorkloadSpec], configs: list[SwapConfig], opts: Options,
-                 prog: demo.Progress):
+                 prog: driver.Progress):
         self.specs, self.configs, self.opts, self.prog = specs, configs, opts, prog
         self.total_steps = len(specs) * (1 + len(configs))
         self.step = 0
@@ -286,13 +287,13 @@ class Bench:
             cg.allow_swap()
             cg.set_swappiness(100)
             t = time.monotonic()
-            wl = demo.Workload(cg, mb, o.seed, argv=argv)
+            wl = workload.Workload(cg, mb, o.seed, argv=argv)
             ready = wl.expect("READY", o.timeout, tick=lambda: self.prog.bar(
-                cg.usage() / (mb * MiB), f"building, cgroup usage {demo.fmt(cg.usage())}"))
+                cg.usage() / (mb * MiB), f"building, cgroup usage {common.fmt(cg.usage())}"))
             res["baseline"] = self.baseline(cg, wl, int(ready[1]), time.monotonic() - t)
             base = res["baseline"]
-            self.prog.phase(f"{spec.key} READY: size {demo.fmt(base['ready_size'])}, swap-backed "
-                            f"{demo.fmt(base['swap_backed'])}, peak {demo.fmt(base['peak_usage'])}, "
+            self.prog.phase(f"{spec.key} READY: size {common.fmt(base['ready_size'])}, swap-backed "
+                            f"{common.fmt(base['swap_backed'])}, peak {common.fmt(base['peak_usage'])}, "
                             f"built in {base['build_s']:.1f}s; CHECK {base['check']['result']} in "
                             f"{base['check_wall_s']:.2f}s; resident read p99 {base['latency'].get('p99_us', 0):.1f}us")
             # one lock for all configurations of a workload: a couple of minutes, and the
@@ -310,7 +311,7 @@ class Bench:
             res["final_verify"] = parse_check(v)
             wl.proc.wait(timeout=60)
             res["exit_status"] = wl.proc.returncode
-        except (demo.DemoError, CgroupError, OSError, subprocess.TimeoutExpired) as e:
+        except (common.DemoError, CgroupError, OSError, subprocess.TimeoutExpired) as e:
             res["error"] = f"{type(e).__name__}: {e}"
             self.prog.phase(f"{spec.key}: {res['error']}")
         finally:
@@ -329,7 +330,7 @@ class Bench:
                      and all(c.get("verify") == "ok" for c in res["configs"].values()))
         return res
 
-    def baseline(self, cg: MemoryCgroup, wl: demo.Workload, ready_size: int, build_s: float) -> dict:
+    def baseline(self, cg: MemoryCgroup, wl: workload.Workload, ready_size: int, build_s: float) -> dict:
         o = self.opts
         pids = cg.pids()
         b = {"ready_size": ready_size, "build_s": build_s, "build_cpu_s": tree_cpu(pids),
@@ -351,25 +352,25 @@ class Bench:
 
     # -- one swap configuration ---------------------------------------------------------
 
-    def backend(self, cfg: SwapConfig, run_dir: str) -> demo.SwapBackend:
+    def backend(self, cfg: SwapConfig, run_dir: str) -> backends.SwapBackend:
         if cfg.is_zram:
-            return demo.ZramSwap(cfg.algorithm, size=self.opts.swap_size)
+            return backends.ZramSwap(cfg.algorithm, size=self.opts.swap_size)
         from agentzip_blk.config import parse_config
         comp = {} if cfg.algorithm == "default" else {"algorithm": cfg.algorithm, "level": cfg.level,
                                                       "dictionary": cfg.dictionary}
-        if cfg.unit_pages is not None:
-            comp["unit_pages"] = cfg.unit_pages
+        if cfg.frame_pages is not None:
+            comp["frame_pages"] = cfg.frame_pages
         config = parse_config({"compression": comp,
                                "pool": {"swap_out_path": os.path.join(run_dir, "swapfile")},
                                "device": {"size": self.opts.swap_size, "run_dir": run_dir}})
-        b = demo.AgentzipSwap(config, run_dir)
+        b = backends.AgentzipSwap(config, run_dir)
         b.name = cfg.name
         return b
 
-    def cycle(self, cfg: SwapConfig, cg: MemoryCgroup, wl: demo.Workload, base: dict) -> dict:
+    def cycle(self, cfg: SwapConfig, cg: MemoryCgroup, wl: workload.Workload, base: dict) -> dict:
         o = self.opts
         r: dict = {"config": asdict(cfg)}
-        others = demo.proc_swaps()
+        others = common.proc_swaps()
         if others:
             r["error"] = "swap already active (" + ", ".join(s["filename"] for s in others) + ")"
             return r
@@ -381,20 +382,20 @@ class Bench:
             r["describe"] = backend.describe()
             servers = backend.server_pids()
             time.sleep(o.settle / 2)
-            before = demo._snapshot(backend, cg)
+            before = driver.snapshot(backend, cg)
             sb_before = swap_backed(cg)
             cpu = {"server": tree_cpu(servers), "self": self_cpu(), "wl": tree_cpu(cg.pids()),
                    "host": host_busy()}
 
             target = int(before["cg_usage"] * o.limit_fraction)
-            sq = demo._squeeze(cg, target, o.steps, self.prog, wl)
+            sq = driver.squeeze(cg, target, o.steps, self.prog, wl)
             r["squeeze"] = {k: sq[k] for k in ("start_usage", "target", "ebusy", "seconds", "error")}
             time.sleep(o.settle)  # writeback settles before the device is asked
-            after = demo._snapshot(backend, cg)
+            after = driver.snapshot(backend, cg)
             sb_after = swap_backed(cg)
             r["reclaim_cpu_s"] = self_cpu() - cpu["self"]  # the limit writes reclaim in our context
             if sq["error"]:
-                raise demo.DemoError(f"squeeze failed: {sq['error']}")
+                raise common.DemoError(f"squeeze failed: {sq['error']}")
 
             cg.set_limit(None)
             lat = pagewalk.probe(cg.pids(), o.probe_samples, swapped=True, seed=o.seed)
@@ -405,7 +406,7 @@ class Bench:
             r["check"] = check
             r["check_wall_s"] = time.monotonic() - t
             r["check_cpu_s"] = tree_cpu(cg.pids()) - wl_cpu0
-            touched = demo._snapshot(backend, cg)
+            touched = driver.snapshot(backend, cg)
             r["server_cpu_s"] = tree_cpu(servers) - cpu["server"]
             r["host_busy_s"] = host_busy() - cpu["host"]
             r["workload_cpu_s"] = tree_cpu(cg.pids()) - cpu["wl"]
@@ -432,7 +433,7 @@ class Bench:
                 cg.set_limit(None)
             backend.detach()  # swapoff brings back whatever CHECK did not read
             shutil.rmtree(run_dir, ignore_errors=True)
-            r["swaps_after_detach"] = [s["filename"] for s in demo.proc_swaps()]
+            r["swaps_after_detach"] = [s["filename"] for s in common.proc_swaps()]
         return r
 
 
@@ -469,8 +470,8 @@ def derive(r: dict, cfg: SwapConfig, base: dict) -> None:
 def _one_line(name: str, r: dict) -> str:
     if r.get("error"):
         return f"{name}: ERROR {r['error']}"
-    return (f"{name}: out {demo.fmt(r['swapped_out'])}, device {r['ratio_device'] or 0:.2f}x, "
-            f"field {r['ratio_field'] or 0:.2f}x (physical after {demo.fmt(r['physical_after'])}), "
+    return (f"{name}: out {common.fmt(r['swapped_out'])}, device {r['ratio_device'] or 0:.2f}x, "
+            f"field {r['ratio_field'] or 0:.2f}x (physical after {common.fmt(r['physical_after'])}), "
             f"swap CPU {r['swap_cpu_s']:.1f}s, swap-in p50/p99 {r['latency'].get('p50_us', 0):.0f}/"
             f"{r['latency'].get('p99_us', 0):.0f}us, CHECK {r['check_wall_s']:.2f}s "
             f"(x{r['slowdown'] or 0:.1f}), verify {r['verify']}")
@@ -571,14 +572,14 @@ def main(argv=None) -> int:
     specs = [specs_all[k.strip()] for k in a.workloads.split(",") if k.strip()]
     opts = Options(seed=a.seed, limit_fraction=a.limit_fraction, probe_samples=a.probe_samples,
                    mb_scale=a.mb_scale)
-    prog = demo.Progress(sys.stderr)
+    prog = driver.Progress(sys.stderr)
     t0 = time.monotonic()
     doc = {"date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
            "command": command_line(argv), "machine": machine(), "options": asdict(opts),
            "dictionaries": dicts, "configs": [asdict(c) for c in configs]}
     bench = Bench(specs, configs, opts, prog)
     try:
-        with demo._teardown_on_signals():  # SIGTERM/SIGHUP: the finally blocks still detach
+        with driver.teardown_on_signals():  # SIGTERM/SIGHUP: the finally blocks still detach
             doc["workloads"] = bench.run()
     except KeyboardInterrupt:
         print("bench: interrupted (workloads stopped, cgroups removed, swap detached)", file=sys.stderr)

@@ -36,8 +36,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from agentzip_blk.codec import Lz4Codec, Lz4HcCodec, ZstdCodec  # noqa: E402
-from agentzip_blk.estimate import measure  # noqa: E402
+from agentzip_blk.codec.codecs import Lz4Codec, Lz4HcCodec, ZstdCodec  # noqa: E402
+from agentzip_blk.codec.estimate import measure  # noqa: E402
 from benchmd import write_section  # noqa: E402
 from agentzip_blk.dictionaries import (  # noqa: E402
     DictionaryRegistry,

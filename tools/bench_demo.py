@@ -30,7 +30,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from agentzip_blk import demo  # noqa: E402
+from agentzip_blk.demo import driver as demo  # noqa: E402
 from benchmd import replace_block  # noqa: E402
 
 BEGIN = "<!-- bench_demo:begin -->"

@@ -107,12 +107,12 @@ def run() -> dict:
     offs = offsets()
     rows: dict[str, dict] = {}
 
-    units = Config().compression.unit_pages
-    for label, unit_pages in (("store (in process), single pages", 1),
-                              (f"store (in process), {units}-page units (the default)", units)):
-        # Random reads: every read of a unit decompresses all of it (no readahead neighbour
-        # follows), the worst case of units' read amplification.
-        store = PageStore(1 << 30, max_size=1 << 30, unit_pages=unit_pages)
+    frames = Config().compression.frame_pages
+    for label, frame_pages in (("store (in process), single pages", 1),
+                              (f"store (in process), {frames}-page frames (the default)", frames)):
+        # Random reads: every read of a frame decompresses all of it (no readahead neighbour
+        # follows), the worst case of frames' read amplification.
+        store = PageStore(1 << 30, max_size=1 << 30, frame_pages=frame_pages)
         for start in range(0, len(data), 1 << 20):  # swap-out writes are ~300 KiB-1 MiB
             store.write(data[start : start + (1 << 20)], start)
         buf = bytearray(PAGE)
@@ -202,10 +202,10 @@ def render(result: dict) -> str:
         f"{READS} random 4 KiB reads of 64 MiB of agent-like pages (zstd 3, no dictionary, "
         "written in 1 MiB requests), one at a time, each layer measured on its own; a layer's "
         "cost is its row minus the row above it (the plugin rows run the default config, "
-        "multi-page units, so they build on the units row). The loop row is what a swap-in "
-        "fault pays for one page. Random reads are the worst case for units: each one "
-        "decompresses a whole unit, where a swap-in mostly reads a unit's neighbouring pages "
-        "next (served from the unit cache).",
+        "multi-page frames, so they build on the frames row). The loop row is what a swap-in "
+        "fault pays for one page. Random reads are the worst case for frames: each one "
+        "decompresses a whole frame, where a swap-in mostly reads a frame's neighbouring pages "
+        "next (served from the frame cache).",
         "",
         "| layer | p50 us | p99 us | p99.9 us | mean us |",
         "|---|---:|---:|---:|---:|",

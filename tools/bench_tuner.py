@@ -156,7 +156,7 @@ class Child:
 
 def one_run(kind: str, a, cfg_path: str, tmp: str) -> dict:
     from agentzip_blk import control, device, system
-    from agentzip_blk.cgroup_memory import MemoryCgroup
+    from agentzip_blk.cgroups.fs import MemoryCgroup
     from agentzip_blk.config import load_config
 
     name = f"agent-sandbox-bench-{os.getpid()}-{kind}.slice"
@@ -255,7 +255,7 @@ def fmt_mib(n) -> str:
 
 
 def markdown(r: dict, a, cmd: str) -> str:
-    from agentzip_blk.cgroup_backends import open_backend
+    from agentzip_blk.cgroups.backends import open_backend
 
     u, t = r["unconstrained"], r["tuned"]
     mi = {}

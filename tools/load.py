@@ -199,7 +199,7 @@ class Workload:
 def run(args) -> dict:
     sys.path.insert(0, REPO)
     from agentzip_blk import control, device, system
-    from agentzip_blk.cgroup_memory import LimitBusy, MemoryCgroup
+    from agentzip_blk.cgroups.fs import LimitBusy, MemoryCgroup
     from agentzip_blk.config import parse_config
 
     tmp = tempfile.mkdtemp(prefix="azload-", dir="/tmp")

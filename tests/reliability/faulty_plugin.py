@@ -50,7 +50,7 @@ def config(key, value):
 def _patch_codecs():
     """Wrap compress and decompress of every codec class, so that whichever codec the
     store picks for a page (algorithm, dictionary) goes through the fault switch."""
-    from agentzip_blk import codec
+    from agentzip_blk.codec import codecs as codec
 
     for cls in vars(codec).values():
         if not (isinstance(cls, type) and issubclass(cls, codec.Codec)):

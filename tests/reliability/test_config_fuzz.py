@@ -10,7 +10,6 @@ import subprocess
 
 import pytest
 
-from agentzip_blk import config as cfgmod
 from agentzip_blk.config import ConfigError, load_config, parse_config
 
 from . import support
@@ -89,13 +88,13 @@ def test_unknown_keys_and_sections():
         tried["n"] += 1
 
 
-def test_unknown_dictionary_when_the_set_is_known(monkeypatch):
-    monkeypatch.setattr(cfgmod, "KNOWN_DICTIONARIES", {"python312", "v8"})
-    assert parse_config({"compression": {"dictionary": "python312,v8"}}).compression.dictionary \
-        == ["python312", "v8"]
+def test_unknown_dictionary_when_the_set_is_known():
+    known = {"python312", "v8"}
+    assert parse_config({"compression": {"dictionary": "python312,v8"}},
+                        known_dictionaries=known).compression.dictionary == ["python312", "v8"]
     for value in ("python2", "v8,node", ["chromium"]):
         with pytest.raises(ConfigError, match=r"compression.dictionary: unknown dictionary"):
-            parse_config({"compression": {"dictionary": value}})
+            parse_config({"compression": {"dictionary": value}}, known_dictionaries=known)
         tried["n"] += 1
 
 

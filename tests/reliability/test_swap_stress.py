@@ -17,7 +17,7 @@ import time
 import pytest
 
 from agentzip_blk import device, system
-from agentzip_blk.cgroup_memory import MemoryCgroup
+from agentzip_blk.cgroups.fs import MemoryCgroup
 from agentzip_blk.config import parse_config
 
 from . import support

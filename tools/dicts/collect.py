@@ -3,7 +3,7 @@
 
 Runs real programs under real runtimes (CPython 3.11 and 3.12, Node.js, headless Chromium),
 waits until each has built its heap, and samples the resident anonymous pages of its whole
-process tree through /proc/PID/{maps,pagemap,mem} (agentzip_blk.procmem, read-only).
+process tree through /proc/PID/{maps,pagemap,mem} (agentzip_blk.cgroups.procmem, read-only).
 Same-filled pages are dropped (the store never compresses them) and exact duplicates within
 a run are dropped (dedup takes them).
 
@@ -36,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
-from agentzip_blk import procmem  # noqa: E402
+from agentzip_blk.cgroups import procmem  # noqa: E402
 from pages import write_pages  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "tools", "workloads"))

@@ -25,8 +25,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 
-from agentzip_blk.codec import ZstdCodec, ZstdDictCodec  # noqa: E402
-from agentzip_blk.dictionaries import content_of, sizes  # noqa: E402
+from agentzip_blk.codec.codecs import ZstdCodec, ZstdDictCodec  # noqa: E402
+from agentzip_blk.codec.dictionaries.trainer import content_of, sizes  # noqa: E402
 
 OUT = os.path.join(ROOT, "agentzip_blk", "dicts")
 # runtime -> shipped name

@@ -1,0 +1,252 @@
+"""Page codecs: one class per algorithm behind one interface (in the manner of borg's compress).
+
+A codec compresses one buffer into one frame: a single 4 KiB page, or a frame of several
+pages (`compression.frame_pages`, 16 by default) compressed together with a codec made for
+that frame size. Compressor and decompressor objects are created once and reused: a new zstd
+context per page costs more than the compression itself. The id of a codec is what the store
+records per stored blob, so ids never change meaning.
+
+The codec, not the store, decides whether compression pays: a page is kept raw, and a frame
+is split into pages compressed alone, when the output is over MAX_COMPRESSED bytes a page
+(3/4 of a page: above that the pool's cell would save too little to be worth a decompression).
+"""
+
+from __future__ import annotations
+
+import lz4.block
+import zstandard
+
+from ..errors import CodecError
+
+RAW = 0
+ZSTD = 1
+LZ4 = 2
+LZ4HC = 3
+
+CODEC_NAMES = {RAW: "raw", ZSTD: "zstd", LZ4: "lz4", LZ4HC: "lz4hc"}
+
+PAGE = 4096
+MAX_COMPRESSED = 3072  # bytes per page: above this compression does not pay (3/4 page)
+
+# lz4 keeps its hash table on the C stack / in a thread-local state; there is no
+# accessor for it, so we account the documented state size (LZ4_STREAMSIZE, LZ4HC ~256 KiB).
+_LZ4_STATE_BYTES = 16 * 1024
+_LZ4HC_STATE_BYTES = 256 * 1024
+
+
+class Codec:
+    """Compresses and decompresses one page at a time."""
+
+    id: int = RAW
+    name: str = "raw"
+
+    def __init__(self, page_size: int = 4096) -> None:
+        self.page_size = page_size
+
+    def compress(self, page) -> bytes:
+        return bytes(page)
+
+    def decompress(self, data, size: int | None = None) -> bytes:
+        """`size`: the decoded length the store expects (a page, or a multi-page frame up to
+        the codec's frame size); anything else is corruption."""
+        size = size or self.page_size
+        if len(data) != size:
+            raise CodecError(f"raw blob of {len(data)} bytes, expected {size}")
+        return bytes(data)
+
+    def memory_bytes(self) -> int:
+        """Bytes of native state this codec holds (contexts, tables)."""
+        return 0
+
+
+def _page_params(level: int, page_size: int) -> zstandard.ZstdCompressionParameters:
+    """Magicless frames without content size, checksum or dict id: the store knows all of
+    that already, and on a ~1 KiB compressed page those 8-12 bytes are ~1% of the ratio."""
+    return zstandard.ZstdCompressionParameters.from_level(
+        level,
+        source_size=page_size,
+        format=zstandard.FORMAT_ZSTD1_MAGICLESS,
+        write_content_size=False,
+        write_checksum=False,
+        write_dict_id=False,
+    )
+
+
+class ZstdCodec(Codec):
+    id = ZSTD
+    name = "zstd"
+
+    def __init__(self, level: int = 3, page_size: int = 4096) -> None:
+        super().__init__(page_size)
+        if not 1 <= level <= 19:
+            raise ValueError(f"zstd level {level} out of range 1-19")
+        self.level = level
+        params = _page_params(level, page_size)
+        self._cctx = zstandard.ZstdCompressor(compression_params=params)
+        self._dctx = zstandard.ZstdDecompressor(format=zstandard.FORMAT_ZSTD1_MAGICLESS)
+
+    def compress(self, page) -> bytes:
+        return self._cctx.compress(page)
+
+    def decompress(self, data, size: int | None = None) -> bytes:
+        size = size or self.page_size
+        try:
+            out = self._dctx.decompress(data, max_output_size=size)
+        except zstandard.ZstdError as exc:
+            raise CodecError(f"zstd: {exc}") from exc
+        if len(out) != size:
+            raise CodecError(f"zstd blob decoded to {len(out)} bytes, expected {size}")
+        return out
+
+    def memory_bytes(self) -> int:
+        return self._cctx.memory_size() + self._dctx.memory_size()
+
+
+class ZstdDictCodec(ZstdCodec):
+    """zstd with a raw-content dictionary (shares the ZSTD codec id; the store records the
+    dictionary id per blob next to it).
+
+    Raw content, not a trained dictionary with entropy tables: on 4 KiB pages the tables
+    made heaps worse (docs/ARCHITECTURE.md, measured again in tools/dicts/train.py), while the content
+    alone gives zstd earlier matches. The dictionary is digested once (precompute_compress)
+    and both contexts are reused: loading it per page costs more than compressing.
+    """
+
+    def __init__(self, content: bytes, level: int = 3, page_size: int = 4096) -> None:
+        super().__init__(level, page_size)
+        self.content = bytes(content)
+        params = _page_params(level, page_size)
+        cdict = zstandard.ZstdCompressionDict(self.content, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
+        cdict.precompute_compress(compression_params=params)
+        self._cctx = zstandard.ZstdCompressor(dict_data=cdict, compression_params=params)
+        ddict = zstandard.ZstdCompressionDict(self.content, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
+        self._dctx = zstandard.ZstdDecompressor(dict_data=ddict, format=zstandard.FORMAT_ZSTD1_MAGICLESS)
+        self._cdict = cdict
+        # The digested dictionary's match tables (zstd sizes them from these parameters;
+        # python-zstandard has no accessor for a CDict's size) + its copy of the content.
+        self._cdict_bytes = 4 * ((1 << params.hash_log) + (1 << params.chain_log)) + len(self.content)
+
+    def memory_bytes(self) -> int:
+        # contexts + the digested dictionary + the decoder's and our copies of the content
+        return super().memory_bytes() + self._cdict_bytes + 2 * len(self.content)
+
+
+class Lz4Codec(Codec):
+    id = LZ4
+    name = "lz4"
+
+    def __init__(self, acceleration: int = 1, page_size: int = 4096) -> None:
+        super().__init__(page_size)
+        self.acceleration = max(1, acceleration)
+
+    def compress(self, page) -> bytes:
+        return lz4.block.compress(page, mode="fast", acceleration=self.acceleration, store_size=False)
+
+    def decompress(self, data, size: int | None = None) -> bytes:
+        size = size or self.page_size
+        try:
+            out = lz4.block.decompress(data, uncompressed_size=size)
+        except lz4.block.LZ4BlockError as exc:
+            raise CodecError(f"lz4: {exc}") from exc
+        if len(out) != size:
+            raise CodecError(f"lz4 blob decoded to {len(out)} bytes, expected {size}")
+        return out
+
+    def memory_bytes(self) -> int:
+        return _LZ4_STATE_BYTES
+
+
+class Lz4HcCodec(Lz4Codec):
+    id = LZ4HC
+    name = "lz4hc"
+
+    def __init__(self, level: int = 9, page_size: int = 4096) -> None:
+        super().__init__(1, page_size)
+        if not 1 <= level <= 12:
+            raise ValueError(f"lz4hc level {level} out of range 1-12")
+        self.level = level
+
+    def compress(self, page) -> bytes:
+        return lz4.block.compress(
+            page, mode="high_compression", compression=self.level, store_size=False
+        )
+
+    def memory_bytes(self) -> int:
+        return _LZ4HC_STATE_BYTES
+
+
+def pays(length: int, pages: int = 1) -> bool:
+    """Whether `length` compressed bytes for `pages` pages are worth storing compressed."""
+    return length <= pages * MAX_COMPRESSED
+
+
+def stored_size(n: int, page_size: int = PAGE) -> int:
+    """Bytes the store keeps for a page compressed to n bytes (the page itself when that
+    does not pay)."""
+    return n if pays(n) else page_size
+
+
+def make_codec(algorithm: str, level: int, page_size: int = 4096) -> Codec:
+    """The codec for new writes, from `compression.algorithm` and `compression.level`."""
+    if algorithm == "zstd":
+        return ZstdCodec(level, page_size)
+    if algorithm == "lz4":
+        # For lz4 the config level is the acceleration factor (0 and 1 mean default speed).
+        return Lz4Codec(max(1, level), page_size)
+    if algorithm == "lz4hc":
+        return Lz4HcCodec(level, page_size)
+    raise ValueError(f"unknown compression algorithm {algorithm!r} (zstd, lz4, lz4hc)")
+
+
+class CodecSet:
+    """The codec used for new writes plus one decoder per codec id, for reading any blob.
+
+    Blobs written under an earlier config (another algorithm or level) stay readable:
+    every id has a decoder, and decoding does not depend on the level.
+    """
+
+    def __init__(self, writer: Codec, dictionaries=None) -> None:
+        self.writer = writer
+        # codec.dictionaries.registry.DictionaryRegistry (or None): decoders for dict ids > 0
+        self.dictionaries = dictionaries
+        page = writer.page_size
+        self._decoders: dict[int, Codec] = {
+            RAW: Codec(page),
+            ZSTD: writer if writer.id == ZSTD else ZstdCodec(3, page),
+            LZ4: writer if writer.id == LZ4 else Lz4Codec(1, page),
+        }
+        self._decoders[LZ4HC] = writer if writer.id == LZ4HC else self._decoders[LZ4]
+
+    def encode_page(self, page, encoder: Codec | None = None, dict_id: int = 0,
+                    compressed: bytes | None = None) -> tuple[bytes, int, int]:
+        """(stored bytes, codec id, dictionary id) for one page: compressed by `encoder`
+        (default: the writer; `compressed` when the caller already has its output), or the
+        page itself (RAW) when compression does not pay."""
+        encoder = encoder or self.writer
+        if compressed is None:
+            compressed = encoder.compress(page)
+        if not pays(len(compressed)):
+            return page, RAW, 0
+        return compressed, encoder.id, dict_id
+
+    def decompress(self, codec_id: int, data, dict_id: int = 0, size: int | None = None) -> bytes:
+        if dict_id:
+            if codec_id != ZSTD or self.dictionaries is None:
+                raise CodecError(f"codec id {codec_id} with dictionary id {dict_id}")
+            return self.dictionaries.decoder(dict_id).decompress(data, size)
+        try:
+            decoder = self._decoders[codec_id]
+        except KeyError:
+            raise CodecError(f"unknown codec id {codec_id}") from None
+        return decoder.decompress(data, size)
+
+    def memory_bytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        for codec in [self.writer, *self._decoders.values()]:
+            if id(codec) not in seen:
+                seen.add(id(codec))
+                total += codec.memory_bytes()
+        if self.dictionaries is not None:
+            total += self.dictionaries.memory_bytes()
+        return total

@@ -1,0 +1,100 @@
+"""zstd dictionaries: the shipped (prebuilt) ones, host-trained ones, and which one a write uses.
+
+- **Prebuilt** dictionaries (`files`) are package data in ``agentzip_blk/dicts/``: one ``NAME.dict``
+  (raw dictionary content) per runtime and ``manifest.json`` (name, runtime and version,
+  corpus, size, training parameters, gain measured on held-out pages, sha256). A missing or
+  corrupt file is a :class:`DictionaryError` (a ConfigError) when the store starts, never a
+  wrong read later. ``AGENTZIP_DICT_DIR`` points at another directory (tests, operators).
+- **Raw content, not trained dictionaries.** A trained zstd dictionary carries entropy tables
+  that zstd then uses for the whole (tiny) frame; on 4 KiB heap pages that lost ratio
+  (docs/ARCHITECTURE.md, and again in tools/dicts/train.py). We keep only the content part.
+- **Registry** (`registry`). Every loaded dictionary has a small id (1..255; 0 = none) that the store
+  records per blob. A dictionary leaves the candidate set when a better one is adopted but
+  stays loaded until no blob refers to it; only then is it unloaded and its id reusable.
+- **Selection** (`selector`): per write request, the candidates and "no dictionary"
+  compress one sample page of the request and the smallest wins for the whole request (the
+  kernel writes clusters of pages of one process together). Trials are paid from a budget
+  of a few percent of compressions; between trials the last winner is reused.
+- **Auto** (`trainer`): samples written pages, trains a host dictionary in a
+  background thread when enough exist, and adopts it only when it shrinks held-out samples.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from ..codecs import ZSTD
+from .files import DictionaryError, load_manifest
+from .registry import DictionaryRegistry
+from .selector import Choice, Selector
+from .trainer import HostTrainer
+
+
+def known_names(directory: str | None = None) -> set[str] | None:
+    """The names of the shipped dictionaries, for the config check (`load_config(...,
+    known_dictionaries=)`); None when the manifest is broken: check_setting and the store
+    report that with the file named, so here it only leaves names unchecked."""
+    try:
+        return {info.name for info in load_manifest(directory)}
+    except DictionaryError:
+        return None
+
+
+def check_setting(config) -> None:
+    """Load and verify every dictionary `config.compression.dictionary` names: a missing or
+    corrupt file raises DictionaryError now, before a server starts listening."""
+    comp = config.compression
+    if comp.algorithm == "zstd" and comp.dictionary != "none":
+        DictionaryRegistry.from_setting(comp.dictionary, comp.level, comp.page_size)
+
+
+class StoreDictionaries:
+    """The store's dictionary machinery in one object: registry, selector, optional trainer."""
+
+    COLLECT_EVERY = 1.0  # seconds between scans for unreferenced retired dictionaries
+
+    def __init__(self, writer, setting: str | list[str], level: int = 3, page_size: int = 4096,
+                 clock: Callable[[], float] = time.monotonic, **trainer_kwargs) -> None:
+        use = writer.id == ZSTD and setting != "none"
+        self.setting = setting
+        self.registry = DictionaryRegistry.from_setting(setting if use else "none", level, page_size)
+        self.selector = Selector(writer, self.registry)
+        self.trainer = (HostTrainer(self.registry, clock=clock, **trainer_kwargs)
+                        if use and setting == "auto" else None)
+        if self.trainer is not None:
+            self.registry.extra_bytes = self.trainer.sample_bytes
+        self._clock = clock
+        self._next_collect = 0.0
+
+    def choose(self, pages: Sequence) -> Choice:
+        return self.selector.choose(pages)
+
+    def observe(self, page) -> None:
+        if self.trainer is not None:
+            self.trainer.observe(page)
+
+    def maybe_collect(self, blobs) -> None:
+        """Unload retired dictionaries nobody uses; the caller holds the store lock."""
+        if not self.registry.has_retired():
+            return
+        now = self._clock()
+        if now < self._next_collect:
+            return
+        self._next_collect = now + self.COLLECT_EVERY
+        live = blobs.live()
+        self.registry.collect(blobs.dict_id[live])
+
+    def stats(self, blobs, slot_blobs: np.ndarray, page_size: int = 4096) -> dict:
+        ids = blobs.dict_id[slot_blobs]
+        lengths = blobs.length[slot_blobs].astype(np.float64) / np.maximum(
+            blobs.ref[slot_blobs].astype(np.float64), 1)
+        out = {"setting": self.setting if isinstance(self.setting, str) else ",".join(self.setting),
+               "in_use": self.registry.stats(ids, lengths, page_size),
+               "selection": self.selector.summary(),
+               "unloaded": self.registry.unloaded}
+        if self.trainer is not None:
+            out["auto"] = self.trainer.summary()
+        return out

@@ -1,0 +1,122 @@
+"""The loaded dictionaries by id (1..255; 0 = none), the id the store records per blob."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from ...errors import CodecError
+from ..codecs import ZstdDictCodec
+from .files import DictionaryError, load_content, load_manifest
+
+MAX_ID = 255  # the blob table stores dictionary ids as uint8
+
+
+@dataclass
+class LoadedDict:
+    id: int
+    name: str
+    source: str  # "prebuilt" | "host" | "file"
+    codec: ZstdDictCodec
+    info: dict
+    candidate: bool = True
+
+
+class DictionaryRegistry:
+    """Loaded dictionaries by id. `candidates` is replaced, never mutated, so a writer can
+    take it once per request without a lock."""
+
+    def __init__(self, level: int = 3, page_size: int = 4096) -> None:
+        self.level = level
+        self.page_size = page_size
+        self._by_id: dict[int, LoadedDict] = {}
+        self.candidates: tuple[LoadedDict, ...] = ()
+        self.unloaded = 0
+        self.extra_bytes: Callable[[], int] = lambda: 0  # e.g. the host trainer's samples
+        self._lock = threading.Lock()  # adds/retires may come from the trainer thread
+
+    @classmethod
+    def from_setting(cls, setting: str | list[str], level: int = 3, page_size: int = 4096,
+                     directory: str | None = None) -> DictionaryRegistry:
+        """The registry for `compression.dictionary`: none, prebuilt/auto (every shipped
+        dictionary) or a list of names. Raises DictionaryError on a bad file or name."""
+        registry = cls(level, page_size)
+        if setting == "none":
+            return registry
+        manifest = {info.name: info for info in load_manifest(directory)}
+        names = list(manifest) if setting in ("auto", "prebuilt") else list(setting)
+        for name in names:
+            if name not in manifest:
+                raise DictionaryError(f"compression.dictionary: unknown dictionary {name!r} "
+                                      f"(known: {', '.join(sorted(manifest)) or 'none'})")
+            info = manifest[name]
+            registry.add(name, load_content(info, directory), "prebuilt", asdict(info))
+        return registry
+
+    def add(self, name: str, content: bytes, source: str, info: dict | None = None,
+            candidate: bool = True) -> LoadedDict:
+        codec = ZstdDictCodec(content, self.level, self.page_size)
+        with self._lock:
+            free = next((i for i in range(1, MAX_ID + 1) if i not in self._by_id), None)
+            if free is None:
+                raise CodecError(f"more than {MAX_ID} dictionaries loaded")
+            entry = LoadedDict(free, name, source, codec, dict(info or {}), candidate)
+            self._by_id[free] = entry
+            if candidate:
+                self.candidates = (*self.candidates, entry)
+        return entry
+
+    def retire(self, dict_id: int) -> None:
+        """No new writes use it; it stays loaded while blobs refer to it."""
+        with self._lock:
+            entry = self._by_id.get(dict_id)
+            if entry is not None:
+                entry.candidate = False
+                self.candidates = tuple(e for e in self.candidates if e.id != dict_id)
+
+    def has_retired(self) -> bool:
+        return any(not e.candidate for e in self._by_id.values())
+
+    def collect(self, blob_dict_ids: np.ndarray) -> list[int]:
+        """Unload retired dictionaries that no live blob refers to. `blob_dict_ids` are the
+        dictionary ids of all live blobs; call it where no write is in flight (store lock)."""
+        counts = np.bincount(blob_dict_ids.astype(np.int64), minlength=MAX_ID + 1)
+        gone = []
+        with self._lock:
+            for dict_id, entry in list(self._by_id.items()):
+                if not entry.candidate and counts[dict_id] == 0:
+                    del self._by_id[dict_id]
+                    gone.append(dict_id)
+            self.unloaded += len(gone)
+        return gone
+
+    def get(self, dict_id: int) -> LoadedDict:
+        try:
+            return self._by_id[dict_id]
+        except KeyError:
+            raise CodecError(f"dictionary id {dict_id} is not loaded") from None
+
+    def decoder(self, dict_id: int) -> ZstdDictCodec:
+        return self.get(dict_id).codec
+
+    def loaded(self) -> list[LoadedDict]:
+        return sorted(self._by_id.values(), key=lambda e: e.id)
+
+    def memory_bytes(self) -> int:
+        return sum(e.codec.memory_bytes() for e in list(self._by_id.values())) + self.extra_bytes()
+
+    def stats(self, dict_ids: np.ndarray, lengths: np.ndarray, page_size: int = 4096) -> list[dict]:
+        """Per loaded dictionary: pages (slots) compressed with it, their stored bytes and
+        ratio. `dict_ids`/`lengths` are per slot holding a zstd blob (length / refcount)."""
+        out = []
+        for e in self.loaded():
+            mask = dict_ids == e.id
+            pages = int(mask.sum())
+            stored = float(lengths[mask].sum())
+            out.append({"id": e.id, "name": e.name, "source": e.source, "candidate": e.candidate,
+                        "pages": pages, "stored_bytes": int(stored),
+                        "ratio": round(pages * page_size / stored, 3) if stored else 0.0})
+        return out

@@ -1,0 +1,13 @@
+"""Configuration: the schema (`schema`), strict validation and loading (`load`), and the
+size and duration quantities config values are written in (`quantities`)."""
+
+from ..errors import ConfigError
+from .load import glob_problem, load_config, old_key_names, parse_config
+from .schema import (DEFAULT_CONFIG_PATH, MAX_FRAME_PAGES, CompressionConfig, Config, DeviceConfig,
+                     PolicyConfig, PoolConfig, Scope, default_scopes)
+
+__all__ = [
+    "ConfigError", "Config", "CompressionConfig", "PoolConfig", "PolicyConfig", "Scope",
+    "DeviceConfig", "DEFAULT_CONFIG_PATH", "MAX_FRAME_PAGES", "default_scopes", "glob_problem",
+    "load_config", "old_key_names", "parse_config",
+]

@@ -1,0 +1,96 @@
+"""The /etc/agentzip/config.yaml schema: its sections as dataclasses, their defaults and limits.
+
+Validation and loading are in `agentzip_blk.config.load`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_CONFIG_PATH = "/etc/agentzip/config.yaml"
+
+ALGORITHMS = ("zstd", "lz4", "lz4hc")
+# Allowed compression levels per algorithm:
+# - zstd 1-19: 20-22 ("ultra") need huge windows that buy nothing on 4 KiB pages; negative
+#   "fast" levels are what lz4 is for.
+# - lz4 0-16: plain lz4 has no level, so it is ignored, but it is still checked (lz4.frame's
+#   range) so a typo is caught and switching algorithm back does not silently keep a bad value.
+# - lz4hc 1-12: LZ4HC_CLEVEL_MAX is 12.
+LEVEL_RANGES: dict[str, tuple[int, int]] = {"zstd": (1, 19), "lz4": (0, 16), "lz4hc": (1, 12)}
+DICTIONARY_MODES = ("auto", "prebuilt", "none")
+# The store, the codec framing and swap itself all work in 4 KiB pages; nothing else is supported.
+SUPPORTED_PAGE_SIZE = 4096
+MAX_FRAME_PAGES = 16  # pages one compressed frame may hold (the blob table's `sub` column)
+MIN_SIZE = 1 << 20  # 1 MiB: anything smaller cannot hold a useful amount of swap
+SWAP_PRIORITY_RANGE = (-1, 32767)  # swapon(8): -1 = kernel default, 0..32767 explicit
+
+# Old spellings of keys, still accepted: (section, old key) -> new key. `doctor` flags them.
+KEY_ALIASES: dict[tuple[str, str], str] = {("compression", "unit_pages"): "frame_pages"}
+
+
+@dataclass
+class CompressionConfig:
+    algorithm: str = "zstd"
+    level: int = 3
+    dictionary: str | list[str] = "auto"  # "auto" | "prebuilt" | "none" | list of names
+    page_size: int = SUPPORTED_PAGE_SIZE
+    # pages per compressed frame (adjacent new pages of one write request); 1 = each alone
+    frame_pages: int = 16
+
+
+@dataclass
+class PoolConfig:
+    max_size: int = 8 << 30
+    reclaim_threshold: int = 80  # percent of max_size
+    swap_out_path: str = "/var/lib/agentzip/swapfile"
+    swap_out_max_size: int = 0  # bytes of disk tier; 0 = as much as the filesystem holds
+    defrag: bool = True
+
+
+@dataclass
+class PolicyConfig:
+    hot_threshold_ms: int = 1000
+    warm_threshold_ms: int = 10000
+    cold_grace_period: float = 30.0  # seconds
+    hot_cache_size: int = 4 << 20  # bytes of uncompressed hot pages kept; 0 = no cache
+    # the tuner's goal: percent of wall time some task of a scoped cgroup stalls on memory
+    # (PSI "some"; on v1 estimated from refaults and major faults); it squeezes below it
+    pressure_target: float = 0.1
+
+
+@dataclass
+class Scope:
+    cgroup: str  # fnmatch-style glob
+    enabled: bool = True
+
+
+@dataclass
+class DeviceConfig:
+    size: int = 8 << 30  # logical size of the block device
+    swap_priority: int = 100
+    run_dir: str = "/run/agentzip"
+    # Flag the loop device rotational: the kernel then reads ahead neighbouring swap slots
+    # (cluster readahead) instead of following the faulting process (VMA readahead). Fewer,
+    # larger reads: 2x swap-in on a sequential re-read; but the neighbours belong to anyone
+    # and are charged to their cgroups, and a load run with it ended in OOM kills
+    # (BENCHMARKS.md): opt-in until measured properly.
+    rotational: bool = False
+
+
+def default_scopes() -> list[Scope]:
+    return [Scope("agent-sandbox-*.slice")]
+
+
+@dataclass
+class Config:
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    scopes: list[Scope] = field(default_factory=default_scopes)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Normalized plain-dict form (sizes in bytes, durations in seconds); parse_config accepts it."""
+        return dataclasses.asdict(self)

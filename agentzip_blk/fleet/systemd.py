@@ -1,0 +1,91 @@
+"""``agentzip-blk install-units [--prefix DIR] [--bin PATH]``: install the systemd units.
+
+Copies ``deploy/systemd/`` (agentzip-blk.service, agentzip-blk-metrics.service,
+agent-sandbox.slice and the agent-sandbox-.slice.d/ drop-in) into
+``PREFIX/etc/systemd/system`` (PREFIX defaults to ``/``; a staging root for packages or tests
+otherwise), with the agentzip-blk path in ``ExecStart=``/``ExecStop=`` replaced by the
+installed program (``--bin``, default: this program). It does not run systemctl: it prints
+the commands to do so.
+
+The units ship in the source tree (``deploy/systemd``), next to the package; a wheel install
+without the tree needs ``--source DIR``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+PLACEHOLDER_BIN = "/usr/local/bin/agentzip-blk"
+UNIT_DIR = "etc/systemd/system"
+SOURCE = Path(__file__).resolve().parents[2] / "deploy" / "systemd"
+
+
+@dataclass
+class Installed:
+    unit_dir: str
+    files: list[str]
+    bin: str
+
+
+def default_bin() -> str:
+    """The agentzip-blk being run (console script), else the one on PATH, else the default."""
+    argv0 = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    if os.path.basename(argv0) == "agentzip-blk" and os.access(argv0, os.X_OK):
+        return argv0
+    return shutil.which("agentzip-blk") or PLACEHOLDER_BIN
+
+
+def unit_files(source: Path = SOURCE) -> list[Path]:
+    if not source.is_dir():
+        raise FileNotFoundError(f"unit sources {source} not found: pass --source DIR "
+                                f"(deploy/systemd of the agentzip-blk source tree)")
+    return sorted(p for p in source.rglob("*") if p.is_file())
+
+
+def install(prefix: str = "/", bin_path: str | None = None, source: Path = SOURCE) -> Installed:
+    bin_path = os.path.abspath(bin_path or default_bin())
+    unit_dir = os.path.join(prefix, UNIT_DIR)
+    out = []
+    for src in unit_files(source):
+        rel = src.relative_to(source)
+        dst = Path(unit_dir) / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        text = src.read_text().replace(PLACEHOLDER_BIN, bin_path)
+        tmp = dst.with_name(dst.name + ".tmp")
+        tmp.write_text(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, dst)  # atomic: systemd never reads half a unit
+        out.append(str(dst))
+    return Installed(unit_dir, out, bin_path)
+
+
+def cmd_install_units(args) -> int:
+    from .. import cli
+
+    try:
+        res = install(args.prefix, args.bin, Path(args.source) if args.source else SOURCE)
+    except FileNotFoundError as e:
+        raise cli.CliError(str(e)) from None
+    except PermissionError as e:
+        raise cli.CliError(f"cannot write {e.filename}: run as root or pass --prefix DIR") from None
+    for f in res.files:
+        print(f"installed {f}")
+    if res.bin == PLACEHOLDER_BIN and not os.path.exists(PLACEHOLDER_BIN):
+        print(f"warning: {PLACEHOLDER_BIN} does not exist: pass --bin PATH", file=sys.stderr)
+    if os.path.abspath(args.prefix) == "/":
+        print("next: systemctl daemon-reload && systemctl enable --now agentzip-blk.service "
+              "[agentzip-blk-metrics.service]")
+    return 0
+
+
+def register(sub) -> None:
+    s = sub.add_parser("install-units", help="install the systemd units (service, sandbox slices)")
+    s.add_argument("--prefix", default="/", metavar="DIR",
+                   help="install root: units go to DIR/etc/systemd/system (default /)")
+    s.add_argument("--bin", metavar="PATH", help="agentzip-blk path for ExecStart (default: this program)")
+    s.add_argument("--source", metavar="DIR", help="unit sources (default: deploy/systemd of the tree)")
+    s.set_defaults(func=cmd_install_units)

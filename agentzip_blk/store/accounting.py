@@ -1,0 +1,201 @@
+"""What the store holds and what it costs: stats, metadata bytes, temperature, per-slot sizes
+for per-cgroup accounting, and `check`, the cross-check of every book (for tests).
+
+Memory is counted as the kernel counts it: the big preallocated tables cost the pages
+actually touched, not their mappings. The caller holds the store lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..codec import codecs
+from ..protect import array_resident_bytes  # TODO(phase 2): moves below the datapath
+from .blobs import DISK, POOL
+from .dedup import SUB_BITS
+from .disk import ALLOC_STEP
+from .slots import BLOB, EMPTY
+
+if TYPE_CHECKING:
+    from .pagestore import PageStore
+
+
+def meta_parts(store: PageStore) -> dict[str, int]:
+    """Everything held in memory besides pool arenas, by part. The dedup index counts its
+    resident pages (mincore): it is sized for the pages stored, not the device."""
+
+    def resident(arrays) -> int:
+        return sum(array_resident_bytes(a) for a in arrays)
+
+    return {
+        "slot_table": store.slots.touched_bytes(),
+        "blob_table": store.blobs.used_bytes,
+        "dedup_index": resident(store.index.arrays()),
+        "codecs": store.codecs.memory_bytes()
+        + (store.frame_codec.memory_bytes() if store.frame_codec else 0),
+        "pool_books": store.pool.meta_bytes(),
+        "disk_books": store.disk.meta_bytes() if store.disk else 0,
+    }
+
+
+def stored_mem(store: PageStore, meta_bytes: int) -> int:
+    return store.pool.resident_bytes + meta_bytes + store.objects.cache_bytes()
+
+
+def stats(store: PageStore) -> dict:
+    page = store.page_size
+    objects, blobs, slots = store.objects, store.blobs, store.slots
+    codec_pages = objects.codec_pages
+    blob_pages = int(codec_pages.sum())
+    pages = slots.same_pages + blob_pages
+    orig = pages * page
+    meta = meta_parts(store)
+    meta_bytes = sum(meta.values())
+    stored = stored_mem(store, meta_bytes)
+    held = slots.blob_slots()
+    slot_blobs = slots.handle[held].astype(np.int64)
+    pages_held = _pages_held(store, slot_blobs, slots.sub[held])
+    tier_pages = np.bincount(blobs.tier[slot_blobs], minlength=2)
+    live = blobs.live()
+    lengths = blobs.length.astype(np.int64)
+    disk_stored = int(lengths[live & (blobs.tier == DISK)].sum())
+    disk = store.disk
+    tiers = store.tiers
+    return {
+        "size": store.size,
+        "slots": store.nslots,
+        "page_size": page,
+        "algorithm": store.codecs.writer.name,
+        "orig_mem": orig,
+        "stored_mem": stored,
+        "ratio": round(orig / stored, 4) if stored else 0.0,
+        "pages": pages,
+        "same_pages": slots.same_pages,
+        "raw_pages": int(codec_pages[codecs.RAW]),
+        "compressed_pages": blob_pages - int(codec_pages[codecs.RAW]),
+        "shared_pages": pages_held["shared"],
+        "unique_blobs": blobs.count,
+        "dedup_saved_pages": blob_pages - pages_held["distinct"],
+        # frames: "unit" is their name in the stats interface (docs/JSON.md)
+        "unit_pages": store.frame_pages,
+        "units": int(np.count_nonzero(live & (blobs.pages > 1))),
+        "unit_dead_pages": pages_held["dead"],
+        "codec_pages": {
+            name: int(codec_pages[cid])
+            for cid, name in codecs.CODEC_NAMES.items()
+            if codec_pages[cid]
+        },
+        "dictionaries": store.dicts.stats(blobs, slot_blobs, page),
+        "pool_bytes": store.pool.allocated_bytes,
+        "pool_resident_bytes": store.pool.resident_bytes,
+        "pool_live_bytes": store.pool.live_bytes,
+        "pool_arenas": store.pool.arena_count,
+        "fragmentation": round(tiers.fragmentation(), 4),
+        "compressed_bytes": int(lengths[live].sum()),
+        "meta_bytes": meta_bytes,
+        "meta": meta,
+        "hot_cache_bytes": objects.cache_bytes(),
+        "max_size": store.pool.max_size,
+        "reclaim_bytes": tiers.reclaim_bytes,
+        "disk_mem": disk.file_size if disk else 0,
+        "tiers": {
+            "pool": {
+                "pages": int(tier_pages[POOL]) + slots.same_pages,
+                "orig_bytes": (int(tier_pages[POOL]) + slots.same_pages) * page,
+                "stored_bytes": stored,
+            },
+            "disk": {
+                "pages": int(tier_pages[DISK]),
+                "orig_bytes": int(tier_pages[DISK]) * page,
+                "stored_bytes": disk_stored,
+                "file_bytes": disk.file_size if disk else 0,
+                "reads": disk.reads if disk else 0,
+                "writes": disk.writes if disk else 0,
+            },
+        },
+        "temperature": _temperature(store, slot_blobs),
+        **asdict(store.counters),
+    }
+
+
+def _pages_held(store: PageStore, slot_blobs: np.ndarray, subs: np.ndarray) -> dict:
+    """Distinct stored pages the slots use, slots sharing one with another slot, and
+    pages of live frames no slot uses any more (overwritten or trimmed: memory a frame
+    holds until its last page goes)."""
+    pairs = slot_blobs << SUB_BITS | subs.astype(np.int64)
+    distinct, counts = np.unique(pairs, return_counts=True)
+    live = store.blobs.live()
+    stored = int(store.blobs.pages[live].astype(np.int64).sum())
+    return {"distinct": len(distinct), "shared": int(counts[counts > 1].sum()),
+            "dead": stored - len(distinct)}
+
+
+def _temperature(store: PageStore, slot_blobs: np.ndarray) -> dict:
+    """Pages by temperature: hot (in the hot cache), warm (accessed within
+    warm_threshold_ms), cold (untouched for cold_grace_period), idle (in between)."""
+    if not len(slot_blobs):
+        return {"hot": 0, "warm": 0, "idle": 0, "cold": 0}
+    age = store.now() - store.blobs.atime[slot_blobs].astype(np.int64)
+    in_cache = np.isin(slot_blobs, np.array(store.hot.keys(), dtype=np.int64))
+    warm = ~in_cache & (age <= store.warm_ticks)
+    cold = ~in_cache & (age >= store.cold_ticks)
+    hot = int(in_cache.sum())
+    return {
+        "hot": hot,
+        "warm": int(warm.sum()),
+        "idle": len(slot_blobs) - hot - int(warm.sum()) - int(cold.sum()),
+        "cold": int(cold.sum()),
+    }
+
+
+def slot_sizes(store: PageStore, slots) -> dict:
+    """What the given slots cost, for per-cgroup accounting: per slot the stored bytes
+    (a shared blob's length divided by its refcount; 0 for same-filled and empty slots),
+    whether it holds data, and its tier. Slots outside the device are reported as empty."""
+    slots = np.asarray(slots, dtype=np.int64)
+    valid = (slots >= 0) & (slots < store.nslots)
+    idx = np.where(valid, slots, 0)
+    blobs = store.blobs
+    kinds = np.where(valid, store.slots.kind[idx], EMPTY)
+    blob_ids = np.where(kinds == BLOB, store.slots.handle[idx].astype(np.int64), 0)
+    lengths = blobs.length[blob_ids].astype(np.float64)
+    refs = np.maximum(blobs.ref[blob_ids].astype(np.float64), 1)
+    stored = np.where(kinds == BLOB, lengths / refs, 0.0)
+    tiers = np.where(kinds == BLOB, blobs.tier[blob_ids], POOL)
+    return {
+        "kind": kinds.astype(int).tolist(),
+        "stored": np.round(stored, 1).tolist(),
+        "tier": tiers.astype(int).tolist(),
+    }
+
+
+def check(store: PageStore) -> None:
+    """Cross-check every invariant of the books; raises AssertionError."""
+    blobs, slots, pool = store.blobs, store.slots, store.pool
+    held = slots.kind == BLOB
+    blob_slots = slots.handle[held].astype(np.int64)
+    refs = np.bincount(blob_slots, minlength=blobs.capacity)[: blobs.capacity]
+    assert np.array_equal(refs, blobs.ref.astype(np.int64)), "refcounts disagree"
+    assert blobs.count == int(np.count_nonzero(refs)), "blob count disagrees"
+    live = blobs.live()
+    assert store.index.count == int(blobs.pages[live].astype(np.int64).sum()), \
+        "index and blob table disagree"
+    assert (slots.sub[held] < blobs.pages[blob_slots]).all(), "slot names a missing page"
+    assert not slots.sub[~held].any()
+    slots.check()
+    assert int(store.objects.codec_pages.sum()) == len(blob_slots)
+    in_pool = live & (blobs.tier == POOL)
+    assert pool.live_cells == int(in_pool.sum()), "pool cells leak"
+    cells = sum(pool.class_for(int(n)).cell_size for n in blobs.length[in_pool])
+    assert pool.live_bytes == cells
+    assert pool.allocated_bytes <= pool.max_size, "pool over its cap"
+    assert pool.live_bytes <= pool.resident_bytes <= pool.allocated_bytes
+    on_disk = live & (blobs.tier == DISK)
+    if store.disk is not None:
+        extents = (-(-blobs.length[on_disk].astype(np.int64) // ALLOC_STEP) * ALLOC_STEP).sum()
+        assert store.disk.live_bytes == int(extents), "disk extents leak"
+    else:
+        assert not on_disk.any()

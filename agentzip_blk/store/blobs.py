@@ -1,0 +1,106 @@
+"""The blob table: one row per stored blob (a page, or a frame of several pages compressed
+together), shared by every slot that holds one of its pages.
+
+Columns are numpy arrays indexed by blob id (no Python object per blob). Free rows form an
+intrusive list through the `arena` column, so freed ids cost nothing to remember. With
+multi-page frames, `members` holds the dedup index key of each page of a frame (a row of
+`frame_pages` keys per blob), so the index entries of its pages can be removed with it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import tables
+
+POOL = 0
+DISK = 1
+
+_COLUMNS = {
+    "arena": np.int32,  # pool arena id (or next free row while the row is free)
+    "cell": np.uint32,  # cell index inside the arena
+    "tier": np.uint8,  # POOL or DISK
+    "disk_off": np.uint64,  # offset in the disk tier file while on DISK
+    "length": np.uint16,  # stored bytes (compressed, or a whole page when raw)
+    "pages": np.uint8,  # pages in the blob: 1, or a multi-page frame's count
+    "codec": np.uint8,  # codec id (agentzip_blk.codec.codecs)
+    "dict_id": np.uint8,  # zstd dictionary id (agentzip_blk.codec.dictionaries), 0 = none
+    "ref": np.uint32,  # slots pointing at this blob; 0 = free row
+    "hash_lo": np.uint64,  # 128-bit content hash of a one-page blob, low and high halves
+    "hash_hi": np.uint64,
+    "atime": np.uint32,  # last access (read or write), in store ticks; 0 = never
+    "rtime": np.uint32,  # last read, for the hot test (two reads within hot_threshold_ms)
+}
+ROW_BYTES = sum(np.dtype(t).itemsize for t in _COLUMNS.values())
+
+
+class BlobTable:
+    def __init__(self, capacity: int = 1024, frame_pages: int = 1) -> None:
+        self.capacity = 0
+        self.frame_pages = frame_pages
+        for name, dtype in _COLUMNS.items():
+            setattr(self, name, np.zeros(0, dtype=dtype))
+        self.members = np.zeros((0, frame_pages if frame_pages > 1 else 0), dtype=np.uint32)
+        self._grow(capacity)
+        self._free_head = -1
+        self._next_unused = 0
+        self.count = 0  # rows in use
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the rows ever handed out: the columns are zero-filled lazily, so rows
+        above that cost nothing (even when a full-table scan has read them)."""
+        return self._next_unused * (ROW_BYTES + self.members.shape[1] * self.members.itemsize)
+
+    def arrays(self) -> list[np.ndarray]:
+        return [getattr(self, name) for name in _COLUMNS] + [self.members]
+
+    def live(self) -> np.ndarray:
+        """Mask over all rows of the ones in use."""
+        return self.ref > 0
+
+    def new(
+        self, arena: int, cell: int, length: int, codec: int, lo: int, hi: int, dict_id: int = 0,
+        pages: int = 1,
+    ) -> int:
+        """A row with refcount 1, in the pool tier."""
+        if self._free_head >= 0:
+            blob = self._free_head
+            self._free_head = int(self.arena[blob])
+        else:
+            blob = self._next_unused
+            if blob >= self.capacity:
+                self._grow(2 * self.capacity)
+            self._next_unused += 1
+        self.arena[blob] = arena
+        self.cell[blob] = cell
+        self.length[blob] = length
+        self.pages[blob] = pages
+        self.codec[blob] = codec
+        self.dict_id[blob] = dict_id
+        self.ref[blob] = 1
+        self.hash_lo[blob] = lo
+        self.hash_hi[blob] = hi
+        self.tier[blob] = POOL
+        self.disk_off[blob] = 0
+        self.atime[blob] = 0
+        self.rtime[blob] = 0
+        self.count += 1
+        return blob
+
+    def delete(self, blob: int) -> None:
+        self.ref[blob] = 0
+        self.arena[blob] = self._free_head
+        self._free_head = blob
+        self.count -= 1
+
+    def _grow(self, capacity: int) -> None:
+        for name in _COLUMNS:
+            old = getattr(self, name)
+            new = tables.zeros(capacity, old.dtype)
+            new[: len(old)] = old
+            setattr(self, name, new)
+        members = tables.zeros((capacity, self.members.shape[1]), np.uint32)
+        members[: len(self.members)] = self.members
+        self.members = members
+        self.capacity = capacity

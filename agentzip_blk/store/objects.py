@@ -1,0 +1,216 @@
+"""Blobs as objects: new / ref / fetch / release.
+
+A blob is one page, or a frame of several pages compressed together, in a pool cell or in
+the disk tier. `release` is the one place a reference goes away (like zram_free_page): it
+keeps the per-codec page counts, and with the last reference it removes the dedup index
+entries, drops cached copies, frees the pool cell or the disk extent and the blob row. Every
+other module takes and drops references through here, so no book can be forgotten.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..codec import codecs
+from ..codec.codecs import CodecSet
+from ..errors import StoreFull
+from .blobs import DISK, POOL, BlobTable
+from .cache import HotCache
+from .dedup import DedupIndex, index_key, pack
+from .disk import DiskError, DiskFull, DiskTier
+from .pool import Pool, PoolFull
+
+
+@dataclass
+class Counters:
+    reads: int = 0
+    writes: int = 0
+    trims: int = 0
+    zeroes: int = 0
+    flushes: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    enospc: int = 0
+    errors: int = 0
+    dedup_hits: int = 0
+    hash_collisions: int = 0
+    pingpong: int = 0  # pages written again within hot_threshold_ms of being read
+    demotions: int = 0
+    promotions: int = 0
+    direct_to_disk: int = 0  # new pages written straight to disk (pool at its cap)
+    disk_full: int = 0
+    disk_errors: int = 0
+    compactions: int = 0
+    pages_moved: int = 0  # cells moved by compaction
+    hot_hits: int = 0
+    # Multi-page frames. The names say "unit", the frame's old name: they are the stats
+    # and metrics interface (docs/JSON.md), which does not change with the rename.
+    units_written: int = 0  # multi-page blobs stored
+    unit_fallbacks: int = 0  # groups that compressed too poorly together: stored page by page
+    unit_hits: int = 0  # page reads served from the decompressed-frame cache
+    units_rewritten: int = 0  # sparse frames recompressed without their dead pages
+    decoded_bytes: int = 0  # bytes decompressed (a frame's whole size per miss): read amplification
+
+
+class Objects:
+    """The blobs of one store and every book that refers to them."""
+
+    def __init__(self, blobs: BlobTable, index: DedupIndex, pool: Pool, disk: DiskTier | None,
+                 codecs_: CodecSet, hot: HotCache, frames: HotCache, counters: Counters,
+                 page_size: int) -> None:
+        self.blobs = blobs
+        self.index = index
+        self.pool = pool
+        self.disk = disk
+        self.codecs = codecs_
+        self.hot = hot  # hot one-page blobs, uncompressed
+        self.frames = frames  # the last few decompressed frames
+        self.counters = counters
+        self.page_size = page_size
+        # slot references per codec id: pages stored with each codec
+        self.codec_pages = np.zeros(len(codecs.CODEC_NAMES), dtype=np.int64)
+        # set by the tiering: a disk blob a request has read (bytes as stored) may move up
+        self.promote: Callable[[int, bytes], None] = lambda blob, stored: None
+
+    # -- new ---------------------------------------------------------------------------
+
+    def new_page(self, stored, codec_id: int, dict_id: int, lo: int, hi: int, now: int) -> int:
+        """A one-page blob with one reference, under its hash in the dedup index."""
+        blob = self._new(stored, codec_id, dict_id, lo, hi, now, 1)
+        self.index.insert(index_key(lo), pack(blob))
+        self.codec_pages[codec_id] += 1
+        return blob
+
+    def new_frame(self, compressed, codec_id: int, keys: list[int], now: int) -> int:
+        """A frame of len(keys) pages with one reference per page; `keys` are the pages'
+        dedup index keys (a frame's pages keep only those: the bytes decide equality)."""
+        blob = self._new(compressed, codec_id, 0, 0, 0, now, len(keys))
+        self.blobs.ref[blob] = len(keys)
+        for sub, key in enumerate(keys):
+            self.blobs.members[blob, sub] = key
+            self.index.insert(key, pack(blob, sub))
+        self.codec_pages[codec_id] += len(keys)
+        return blob
+
+    def _new(self, stored, codec_id: int, dict_id: int, lo: int, hi: int, now: int,
+             pages: int) -> int:
+        """A blob row for `stored`, in a pool cell, or on disk with the pool at its cap."""
+        blobs = self.blobs
+        try:
+            arena, cell = self.pool.alloc(len(stored))
+        except PoolFull as exc:
+            offset = self.disk_put(stored, str(exc))
+            blob = blobs.new(-1, 0, len(stored), codec_id, lo, hi, dict_id, pages)
+            blobs.tier[blob] = DISK
+            blobs.disk_off[blob] = offset
+            self.counters.direct_to_disk += 1
+        else:
+            self.pool.put(arena, cell, stored)
+            blob = blobs.new(arena, cell, len(stored), codec_id, lo, hi, dict_id, pages)
+        blobs.atime[blob] = now
+        return blob
+
+    # -- references ----------------------------------------------------------------------
+
+    def ref(self, blob: int) -> None:
+        self.blobs.ref[blob] += 1
+        self.codec_pages[int(self.blobs.codec[blob])] += 1
+
+    def release(self, blob: int) -> None:
+        """Drop one reference; with the last one the blob and everything about it goes."""
+        blobs = self.blobs
+        self.codec_pages[int(blobs.codec[blob])] -= 1
+        ref = int(blobs.ref[blob]) - 1
+        if ref > 0:
+            blobs.ref[blob] = ref
+            return
+        pages = int(blobs.pages[blob])
+        if pages == 1:
+            self.index.remove(index_key(int(blobs.hash_lo[blob])), pack(blob))
+        else:
+            for sub in range(pages):
+                self.index.remove(int(blobs.members[blob, sub]), pack(blob, sub))
+            self.frames.discard(blob)
+        self.hot.discard(blob)
+        if blobs.tier[blob] == POOL:
+            self.pool.free(int(blobs.arena[blob]), int(blobs.cell[blob]))
+        else:
+            self.disk.free(int(blobs.disk_off[blob]), int(blobs.length[blob]))
+        blobs.delete(blob)
+
+    # -- bytes ---------------------------------------------------------------------------
+
+    def stored_bytes(self, blob: int) -> bytes:
+        blobs = self.blobs
+        length = int(blobs.length[blob])
+        if blobs.tier[blob] == POOL:
+            return self.pool.get(int(blobs.arena[blob]), int(blobs.cell[blob]), length)
+        try:
+            return self.disk.read(int(blobs.disk_off[blob]), length)
+        except DiskError:
+            self.counters.disk_errors += 1
+            raise
+
+    def fetch(self, blob: int, is_hot: bool = False, touch: bool = False) -> bytes:
+        """A blob's bytes (one page, or all pages of a frame): from the hot cache or the frame
+        cache, or decompressed from its tier (a disk blob read by a request, `touch`, may be
+        promoted)."""
+        data = self.hot.get(blob)
+        if data is not None:
+            self.counters.hot_hits += 1
+            return data
+        pages = int(self.blobs.pages[blob])
+        if pages > 1:
+            data = self.frames.get(blob)
+            if data is not None:
+                self.counters.unit_hits += 1
+                return data
+        stored = self.stored_bytes(blob)
+        data = self.codecs.decompress(
+            int(self.blobs.codec[blob]), stored, int(self.blobs.dict_id[blob]),
+            pages * self.page_size,
+        )
+        self.counters.decoded_bytes += len(data)
+        if touch and self.blobs.tier[blob] == DISK:
+            self.promote(blob, stored)
+        if pages > 1:
+            self.frames.put(blob, data)
+        elif is_hot:
+            self.hot.put(blob, data)
+        return data
+
+    def page(self, blob: int, sub: int) -> memoryview:
+        """Page `sub` of a blob, for a comparison (no access recorded, no promotion)."""
+        page = self.page_size
+        return memoryview(self.fetch(blob))[sub * page : (sub + 1) * page]
+
+    # -- the disk tier ---------------------------------------------------------------------
+
+    def disk_put(self, data, why_not_pool: str) -> int:
+        if self.disk is None:
+            raise StoreFull(why_not_pool)
+        try:
+            offset = self.disk.alloc(len(data))
+        except DiskFull as exc:
+            self.counters.disk_full += 1
+            raise StoreFull(f"{why_not_pool}; {exc}") from None
+        try:
+            self.disk.write(offset, data)
+        except DiskError:
+            self.disk.free(offset, len(data))
+            self.counters.disk_errors += 1
+            raise
+        return offset
+
+    def drop_disk_cache(self) -> None:
+        try:
+            self.disk.drop_cache()
+        except DiskError:
+            self.counters.disk_errors += 1
+            raise
+
+    def cache_bytes(self) -> int:
+        return self.hot.nbytes + self.frames.nbytes

@@ -1,0 +1,421 @@
+"""PageStore: the device as an array of 4 KiB slots, each empty, same-filled or a blob.
+
+The facade: it holds the lock, checks ranges, turns unaligned requests into whole pages
+(read-modify-write) and keeps the request counters; the work is done by its parts:
+
+- `slots`: the slot table (kind, handle, page in frame, last read) and its chunk books;
+- `placement`: same-filled pages, dedup lookup, grouping of new pages into frames;
+- `objects`: blobs (new / ref / fetch / release) over the pool, the disk tier and caches;
+- `tiering`: demotion, promotion, rewriting sparse frames, compaction, the maintainer;
+- `accounting`: stats, metadata bytes, per-slot sizes, check().
+
+Write path for a request: find same-filled pages for the whole request at once with numpy;
+place the rest (share an equal stored page, else compress into frames or single pages, in a
+pool cell or, with the pool at its cap, straight in the disk tier). All new blobs are staged
+first; only when every page of the request has a home are the slots switched over and the
+old blobs released, so a full store or a codec failure leaves the device exactly as it was.
+
+A read decompresses a frame once and keeps the copy in a small cache, since the kernel reads
+the neighbouring pages right after (swap readahead, the next fault). A read of a disk blob
+promotes it while the pool is below the demotion target.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from ..codec.codecs import MAX_COMPRESSED, CodecSet, make_codec
+from ..codec.dictionaries import StoreDictionaries
+from ..config import MAX_FRAME_PAGES
+from ..errors import OutOfRange, StoreFull
+from . import accounting
+from .blobs import BlobTable
+from .cache import HotCache
+from .dedup import DedupIndex
+from .disk import DiskTier
+from .objects import Counters, Objects
+from .placement import Placer, same_filled
+from .pool import Pool
+from .slots import BLOB, EMPTY, SAME, SlotTable
+from .tiering import DEMOTE_CHUNK, REWRITE_CHUNK, Tiering, Tiers
+
+TICKS_PER_SECOND = 100  # 10 ms ticks: uint32 lasts 497 days, then ticks are rebased
+_TICK_REBASE = 1 << 31
+_FEW_PAGES = 8  # requests up to this many pages take the scalar read path
+_FRAME_CACHE_FRAMES = 8  # decompressed frames kept for the reads of their other pages
+
+
+def _ticks(seconds: float) -> int:
+    return int(seconds * TICKS_PER_SECOND)
+
+
+class PageStore:
+    def __init__(
+        self,
+        size: int,
+        *,
+        algorithm: str = "zstd",
+        level: int = 3,
+        max_size: int | None = None,
+        tiering: Tiering | None = None,
+        page_size: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+        dictionary: str | list[str] = "none",
+        frame_pages: int = 1,
+    ) -> None:
+        if page_size != 4096:
+            raise ValueError("only 4096-byte pages are supported")
+        if not 1 <= frame_pages <= MAX_FRAME_PAGES:
+            raise ValueError(f"frame_pages {frame_pages} outside 1..{MAX_FRAME_PAGES}")
+        if size <= 0 or size % page_size:
+            raise ValueError(f"device size {size} must be a positive multiple of {page_size}")
+        tiering = tiering or Tiering()
+        if max_size is not None:
+            tiering.max_size = max_size
+        self.tiering = tiering
+        self.size = size
+        self.page_size = page_size
+        self.nslots = size // page_size
+        self.slots = SlotTable(self.nslots)
+        # the slot columns, for reading (tests, accounting)
+        self.kind, self.handle, self.sub = self.slots.kind, self.slots.handle, self.slots.sub
+        self.frame_pages = frame_pages
+        writer = make_codec(algorithm, level, page_size)
+        self.frame_codec = (
+            make_codec(algorithm, level, frame_pages * page_size) if frame_pages > 1 else None
+        )
+        # compression.dictionary: loads (and checks) the dictionaries now, so a missing or
+        # corrupt file stops the server at startup; picks one per write request later.
+        self.dicts = StoreDictionaries(writer, dictionary, level, page_size, clock=clock)
+        self.codecs = CodecSet(writer, self.dicts.registry)
+        max_blob = frame_pages * MAX_COMPRESSED if frame_pages > 1 else page_size
+        self.pool = Pool(tiering.max_size, page_size, max_blob)
+        self.disk = (
+            DiskTier(tiering.swap_out_path, tiering.swap_out_max_size)
+            if tiering.swap_out_path
+            else None
+        )
+        self.blobs = BlobTable(frame_pages=frame_pages)
+        self.index = DedupIndex()
+        self.counters = Counters()
+        self.hot = HotCache(tiering.hot_cache_size)
+        frames = HotCache(_FRAME_CACHE_FRAMES * frame_pages * page_size if frame_pages > 1 else 0)
+        self.objects = Objects(self.blobs, self.index, self.pool, self.disk, self.codecs,
+                               self.hot, frames, self.counters, page_size)
+        self._zero_page = bytes(page_size)
+        self.lock = threading.Lock()
+        self._clock = clock
+        self._t0 = clock()
+        self._tick_base = 0
+        self.hot_ticks = _ticks(tiering.hot_threshold_ms / 1000)
+        self.warm_ticks = _ticks(tiering.warm_threshold_ms / 1000)
+        self.cold_ticks = _ticks(tiering.cold_grace_period)
+        self.placer = Placer(self.objects, self.codecs, self.frame_codec, self.dicts,
+                             self.counters, frame_pages, self.hot_ticks)
+        self.tiers = Tiers(self)
+        self.objects.promote = self.tiers.promote
+        self.reclaim_bytes = self.tiers.reclaim_bytes
+        self.reclaim_target = self.tiers.reclaim_target
+        self.wake: Callable[[], None] = lambda: None  # set by the maintenance worker
+
+    @classmethod
+    def from_config(cls, size: int, config, **kwargs) -> PageStore:
+        return cls(
+            size,
+            algorithm=config.compression.algorithm,
+            level=config.compression.level,
+            tiering=Tiering.from_config(config),
+            page_size=config.compression.page_size,
+            dictionary=config.compression.dictionary,
+            frame_pages=config.compression.frame_pages,
+            **kwargs,
+        )
+
+    @property
+    def frames(self) -> HotCache:
+        """The cache of decompressed frames."""
+        return self.objects.frames
+
+    @frames.setter
+    def frames(self, cache: HotCache) -> None:
+        self.objects.frames = cache
+
+    # -- public requests -------------------------------------------------------------
+
+    def write(self, buf, offset: int) -> None:
+        data = memoryview(buf).cast("B")
+        with self.lock:
+            self._check_range(offset, len(data))
+            self.counters.writes += 1
+            try:
+                self._write(data, offset)
+            except StoreFull:
+                self.counters.enospc += 1
+                raise
+            except Exception:
+                self.counters.errors += 1
+                raise
+            self.counters.bytes_written += len(data)
+        if self.pool.allocated_bytes >= self.reclaim_bytes:
+            self.wake()
+
+    def readinto(self, buf, offset: int) -> None:
+        out = memoryview(buf).cast("B")
+        with self.lock:
+            self._check_range(offset, len(out))
+            self.counters.reads += 1
+            try:
+                self._readinto(out, offset)
+            except Exception:
+                self.counters.errors += 1
+                raise
+            self.counters.bytes_read += len(out)
+
+    def read(self, offset: int, length: int) -> bytearray:
+        if length < 0:
+            raise OutOfRange(f"negative length {length}")
+        buf = bytearray(length)
+        self.readinto(buf, offset)
+        return buf
+
+    def trim(self, offset: int, length: int) -> None:
+        with self.lock:
+            self._check_range(offset, length)
+            self.counters.trims += 1
+            self._discard(offset, length)
+
+    def zero(self, offset: int, length: int) -> None:
+        with self.lock:
+            self._check_range(offset, length)
+            self.counters.zeroes += 1
+            self._discard(offset, length)
+
+    def flush(self) -> None:
+        # Swap is not durable across a restart; the disk tier is written back per request.
+        with self.lock:
+            self.counters.flushes += 1
+
+    # -- clock -----------------------------------------------------------------------
+
+    def now(self) -> int:
+        """The current tick, >= 1 (0 means "never")."""
+        tick = _ticks(self._clock() - self._t0) + 1 - self._tick_base
+        if tick >= _TICK_REBASE:
+            self._rebase(tick - _TICK_REBASE // 2)
+            tick -= _TICK_REBASE // 2
+        return tick
+
+    def _rebase(self, shift: int) -> None:
+        for times in (self.blobs.atime, self.blobs.rtime, self.slots.rtime):
+            times[:] = np.maximum(times.astype(np.int64) - shift, 0).astype(np.uint32)
+        self._tick_base += shift
+
+    # -- ranges ----------------------------------------------------------------------
+
+    def _check_range(self, offset: int, length: int) -> None:
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise OutOfRange(f"range {offset}+{length} outside the device (0..{self.size})")
+
+    def _span(self, offset: int, length: int) -> tuple[int, int]:
+        """First slot and slot count covering the byte range."""
+        page = self.page_size
+        first = offset // page
+        end = -(-(offset + length) // page)
+        return first, end - first
+
+    def _write(self, data: memoryview, offset: int) -> None:
+        if not data:
+            return
+        page = self.page_size
+        if offset % page == 0 and len(data) % page == 0:
+            self._write_pages(offset // page, data)
+            return
+        first, count = self._span(offset, len(data))
+        whole = bytearray(count * page)
+        self._readinto_pages(memoryview(whole), first, count, touch=False)
+        start = offset - first * page
+        whole[start : start + len(data)] = data
+        self._write_pages(first, memoryview(whole))
+
+    def _discard(self, offset: int, length: int) -> None:
+        """Whole pages inside the range become empty; partial edges are rewritten with zeros."""
+        if not length:
+            return
+        page = self.page_size
+        end = offset + length
+        inner_first = -(-offset // page)
+        inner_end = end // page
+        if inner_end <= inner_first:
+            self._write(memoryview(bytes(length)), offset)
+            return
+        zeros = memoryview(self._zero_page)
+        if offset % page:
+            self._write(zeros[: inner_first * page - offset], offset)
+        self._release_slots(inner_first, inner_end - inner_first)
+        if end % page:
+            self._write(zeros[: end - inner_end * page], inner_end * page)
+
+    # -- pages -----------------------------------------------------------------------
+
+    def _write_pages(self, first: int, data: memoryview) -> None:
+        page = self.page_size
+        count = len(data) // page
+        now = self.now()
+        same, new_kind, new_handle = same_filled(data, count, page)
+        new_sub = np.zeros(count, dtype=np.uint8)
+        staged: list[int] = []  # one entry per blob reference taken for this request
+        disk_before = self.disk.writes if self.disk else 0
+        todo = np.flatnonzero(~same).tolist()
+        pages = [data[i * page : (i + 1) * page] for i in todo]
+        self.dicts.maybe_collect(self.blobs)
+        placed: list[tuple[int, int]] = [(0, 0)] * len(pages)  # (blob, page in blob)
+        try:
+            self.placer.place(pages, now, placed, staged)
+            if self.disk and self.disk.writes != disk_before:
+                # Inside the try: a failed write-back fails the request and releases its
+                # staged blobs (they used to leak, with no slot referring to them).
+                self.objects.drop_disk_cache()
+        except BaseException:
+            for blob in staged:
+                self.objects.release(blob)
+            raise
+        for n, i in enumerate(todo):
+            new_handle[i], new_sub[i] = placed[n]
+        rtimes = self.slots.rtime[first : first + count].astype(np.int64)
+        self.counters.pingpong += int(
+            np.count_nonzero((rtimes > 0) & (now - rtimes <= self.hot_ticks))
+        )
+        self._release_slots(first, count)  # also clears the slots' last-read ticks
+        self.slots.fill(first, new_kind, new_handle, new_sub)
+
+    def _release_slots(self, first: int, count: int) -> None:
+        """Drop what the slots hold (before they are overwritten or emptied), visiting only
+        chunks that hold something."""
+        slots = self.slots
+        for chunk, lo, n in slots.runs_in_use(first, count):
+            kinds = slots.kind[lo : lo + n]
+            held = np.flatnonzero(kinds == BLOB)
+            if len(held):
+                for blob in slots.handle[lo : lo + n][held].astype(np.int64).tolist():
+                    self.objects.release(blob)
+            slots.clear(lo, n)
+            slots.recount(chunk)
+
+    def _page_of(self, data: bytes, slot: int) -> bytes | memoryview:
+        """A slot's page out of its blob's decompressed bytes."""
+        if len(data) == self.page_size:
+            return data
+        page, sub = self.page_size, int(self.sub[slot])
+        return memoryview(data)[sub * page : (sub + 1) * page]
+
+    def _readinto(self, out: memoryview, offset: int) -> None:
+        if not out:
+            return
+        page = self.page_size
+        if offset % page == 0 and len(out) % page == 0:
+            self._readinto_pages(out, offset // page, len(out) // page)
+            return
+        first, count = self._span(offset, len(out))
+        whole = bytearray(count * page)
+        self._readinto_pages(memoryview(whole), first, count)
+        start = offset - first * page
+        out[:] = whole[start : start + len(out)]
+
+    def _readinto_pages(self, out: memoryview, first: int, count: int, touch: bool = True) -> None:
+        if count <= _FEW_PAGES:
+            self._readinto_few(out, first, count, touch)
+            return
+        page = self.page_size
+        kinds = self.kind[first : first + count]
+        handles = self.handle[first : first + count]
+        for i in np.flatnonzero(kinds != BLOB).tolist():
+            if kinds[i] == EMPTY:
+                out[i * page : (i + 1) * page] = self._zero_page
+            else:
+                out[i * page : (i + 1) * page] = handles[i : i + 1].tobytes() * (page // 8)
+        held = np.flatnonzero(kinds == BLOB)
+        if not len(held):
+            return
+        ids = handles[held].astype(np.int64)
+        hot = np.zeros(len(held), dtype=bool)
+        if touch:
+            now = self.now()
+            last = self.blobs.rtime[ids].astype(np.int64)
+            hot = (last > 0) & (now - last <= self.hot_ticks)
+            self.blobs.rtime[ids] = now
+            self.blobs.atime[ids] = now
+            self.slots.rtime[first : first + count][held] = now
+        for i, blob, is_hot in zip(held.tolist(), ids.tolist(), hot.tolist()):
+            data = self.objects.fetch(blob, is_hot, touch)
+            out[i * page : (i + 1) * page] = self._page_of(data, first + i)
+
+    def _readinto_few(self, out: memoryview, first: int, count: int, touch: bool) -> None:
+        """The same as the vectorized path, page by page: a swap-in fault reads 1-8 pages,
+        and for those numpy's per-call overhead costs more than it saves."""
+        page = self.page_size
+        blobs = self.blobs
+        now = self.now() if touch else 0
+        for i in range(count):
+            slot = first + i
+            kind = self.kind[slot]
+            if kind == EMPTY:
+                out[i * page : (i + 1) * page] = self._zero_page
+            elif kind == SAME:
+                out[i * page : (i + 1) * page] = self.handle[slot : slot + 1].tobytes() * (page // 8)
+            else:
+                blob = int(self.handle[slot])
+                is_hot = False
+                if touch:
+                    last = int(blobs.rtime[blob])
+                    is_hot = last > 0 and now - last <= self.hot_ticks
+                    blobs.rtime[blob] = now
+                    blobs.atime[blob] = now
+                    self.slots.rtime[slot] = now
+                out[i * page : (i + 1) * page] = self._page_of(self.objects.fetch(blob, is_hot, touch), slot)
+
+    # -- tiers, accounting (the work is in `tiering` and `accounting`) -----------------
+
+    def demote_cold(self, limit: int = DEMOTE_CHUNK) -> int:
+        return self.tiers.demote_cold(limit)
+
+    def rewrite_sparse_frames(self, limit: int = REWRITE_CHUNK) -> int:
+        return self.tiers.rewrite_sparse_frames(limit)
+
+    def needs_compaction(self) -> bool:
+        return self.tiers.needs_compaction()
+
+    def compact(self) -> int:
+        return self.tiers.compact()
+
+    def maintain(self) -> dict:
+        return self.tiers.maintain()
+
+    def meta_bytes(self) -> int:
+        """Everything held in memory besides pool arenas (accounting.meta_parts)."""
+        return sum(accounting.meta_parts(self).values())
+
+    def stored_mem(self) -> int:
+        return accounting.stored_mem(self, self.meta_bytes())
+
+    def stats(self) -> dict:
+        with self.lock:
+            return accounting.stats(self)
+
+    def slot_sizes(self, slots) -> dict:
+        with self.lock:
+            return accounting.slot_sizes(self, slots)
+
+    def check(self) -> None:
+        """Cross-check every invariant of the books; raises AssertionError. For tests."""
+        with self.lock:
+            accounting.check(self)
+
+    def close(self) -> None:
+        with self.lock:
+            self._release_slots(0, self.nslots)
+            if self.disk is not None:
+                self.disk.close()

@@ -1,0 +1,158 @@
+"""Where a write request's pages go: same-filled pages store their word, a page equal to one
+already stored (or to an earlier page of the request) shares it, and the rest are grouped
+into frames of `frame_pages` new pages compressed together.
+
+A frame holds the new pages of one write request in their order: zstd finds far more matches
+across a frame's pages than inside one page. Pages that do not compress well enough together
+(the codec decides: `codecs.pays`) are stored one by one, each compressed with the request's
+dictionary choice or kept raw.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import xxhash
+
+from ..codec.codecs import Codec, CodecSet, pays
+from ..codec.dictionaries import StoreDictionaries
+from ..codec.dictionaries.selector import Choice
+from .dedup import index_key, unpack
+from .objects import Counters, Objects
+from .slots import BLOB, SAME
+
+_MASK64 = (1 << 64) - 1
+
+
+def same_filled(data: memoryview, count: int, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For `count` pages of `data`: which are one 64-bit word repeated, and the slots' new
+    (kind, handle) arrays with those words; BLOB pages get handle 0 until placed."""
+    words = np.frombuffer(data, dtype=np.uint64).reshape(count, page_size // 8)
+    same = (words == words[:, :1]).all(axis=1)
+    kind = np.where(same, SAME, BLOB).astype(np.uint8)
+    handle = np.where(same, words[:, 0], 0).astype(np.uint64)
+    return same, kind, handle
+
+
+def page_hash(page) -> tuple[int, int]:
+    """The page's 128-bit xxh3 as (low, high) 64-bit halves."""
+    digest = xxhash.xxh3_128_intdigest(page)
+    return digest & _MASK64, digest >> 64
+
+
+class _Chooser:
+    """The request's encoder for pages compressed alone (a dictionary or none), picked from
+    a sample page of the request, and only when the first such page comes: a request whose
+    pages all go into frames pays no selection trials."""
+
+    def __init__(self, dicts: StoreDictionaries, pages: list[memoryview]) -> None:
+        self._dicts, self._pages = dicts, pages
+        self._choice: Choice | None = None
+
+    def get(self) -> Choice:
+        if self._choice is None:
+            self._choice = self._dicts.choose(self._pages)
+        return self._choice
+
+
+class Placer:
+    def __init__(self, objects: Objects, codecs: CodecSet, frame_codec: Codec | None,
+                 dicts: StoreDictionaries, counters: Counters, frame_pages: int,
+                 hot_ticks: int) -> None:
+        self.objects = objects
+        self.codecs = codecs
+        # Frames get their own compressor: zstd sizes its window from the frame size it is
+        # told, and a 4 KiB window could not see the frame's earlier pages.
+        self.frame_codec = frame_codec
+        self.dicts = dicts
+        self.counters = counters
+        self.frame_pages = frame_pages
+        self.hot_ticks = hot_ticks
+
+    def place(self, pages: list[memoryview], now: int,
+              placed: list[tuple[int, int]], staged: list[int]) -> None:
+        """Find or store a home for each page: an equal page already stored (any blob, any
+        page of a frame), an equal page earlier in this request, or a new blob. Fills
+        `placed` with (blob, page in blob) and appends every reference taken to `staged`."""
+        hashes: list[tuple[int, int]] = []
+        fresh: list[int] = []  # positions of pages to store
+        first_of: dict[tuple[int, int], int] = {}  # hash -> position of its first fresh page
+        repeats: list[tuple[int, int]] = []
+        for n, page in enumerate(pages):
+            lo, hi = page_hash(page)
+            hashes.append((lo, hi))
+            found = self.lookup(page, lo, hi, now)
+            if found is not None:
+                placed[n] = found
+                staged.append(found[0])
+            elif (lo, hi) in first_of:
+                repeats.append((n, first_of[(lo, hi)]))
+            else:
+                first_of[(lo, hi)] = n
+                fresh.append(n)
+        step = self.frame_pages
+        chooser = _Chooser(self.dicts, pages)
+        for start in range(0, len(fresh), step):
+            self.store_group(fresh[start : start + step], pages, hashes, now, chooser,
+                             placed, staged)
+        for n, earlier in repeats:
+            blob = placed[earlier][0]
+            self.objects.ref(blob)
+            staged.append(blob)
+            placed[n] = placed[earlier]
+            self.counters.dedup_hits += 1
+
+    def lookup(self, page: memoryview, lo: int, hi: int, now: int) -> tuple[int, int] | None:
+        """(blob, page in blob) of a stored page equal to `page`, with one more reference."""
+        objects = self.objects
+        blobs = objects.blobs
+        for value in objects.index.candidates(index_key(lo)):
+            blob, sub = unpack(value)
+            if blobs.pages[blob] == 1:
+                equal = int(blobs.hash_hi[blob]) == hi and objects.fetch(blob) == page
+            else:  # frame pages keep only the index key; the bytes decide
+                equal = objects.page(blob, sub) == page
+            if equal:
+                objects.ref(blob)
+                blobs.atime[blob] = now
+                self.counters.dedup_hits += 1
+                if int(blobs.rtime[blob]) and now - int(blobs.rtime[blob]) <= self.hot_ticks:
+                    self.counters.pingpong += 1  # the same content came back right after a read
+                return blob, sub
+            self.counters.hash_collisions += 1
+        return None
+
+    def store_group(self, group: list[int], pages: list[memoryview],
+                    hashes: list[tuple[int, int]], now: int, chooser: _Chooser | None,
+                    placed: list[tuple[int, int]], staged: list[int]) -> None:
+        """Store the pages at positions `group`: as one frame when there are several and
+        they compress well enough together, else one blob per page."""
+        if len(group) > 1:
+            # No dictionary for frames: their own earlier pages are a better one, so the
+            # dictionary trainer only sees pages compressed alone.
+            compressed = self.frame_codec.compress(b"".join(pages[n] for n in group))
+            if pays(len(compressed), len(group)):
+                keys = [index_key(hashes[n][0]) for n in group]
+                blob = self.objects.new_frame(compressed, self.frame_codec.id, keys, now)
+                for sub, n in enumerate(group):
+                    placed[n] = (blob, sub)
+                    staged.append(blob)
+                self.counters.units_written += 1
+                return
+            self.counters.unit_fallbacks += 1
+        for n in group:
+            choice = chooser.get() if chooser is not None else None
+            sample = choice.sample_out if choice is not None and n == choice.sample else None
+            blob = self.store_page(pages[n], hashes[n], now, choice, sample)
+            placed[n] = (blob, 0)
+            staged.append(blob)
+
+    def store_page(self, page: memoryview, digest: tuple[int, int], now: int,
+                   choice: Choice | None, compressed: bytes | None = None) -> int:
+        """A new one-page blob holding `page`. `choice` is the request's encoder;
+        `compressed` the page already compressed by it."""
+        encoder = choice.codec if choice is not None else None
+        dict_id = choice.dict_id if choice is not None else 0
+        stored, codec_id, dict_id = self.codecs.encode_page(page, encoder, dict_id, compressed)
+        self.dicts.observe(page)
+        lo, hi = digest
+        return self.objects.new_page(stored, codec_id, dict_id, lo, hi, now)
