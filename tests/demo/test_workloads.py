@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WL = os.path.join(ROOT, "tools", "workloads")
 sys.path.insert(0, WL)
 sys.path.insert(0, os.path.join(ROOT, "tools"))

@@ -27,7 +27,7 @@ from agentzip_blk.cgroups import scopes
 from agentzip_blk.fleet.k8s import annotations as ann
 from agentzip_blk.fleet.k8s import nodeagent, podcgroup, webhook
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 def load(name: str) -> dict:
@@ -338,7 +338,7 @@ def test_manifests_consistent():
 
     from agentzip_blk import cli
     docs = []
-    for f in sorted((Path(__file__).resolve().parents[1] / "deploy/k8s").glob("*.yaml")):
+    for f in sorted((Path(__file__).resolve().parents[2] / "deploy/k8s").glob("*.yaml")):
         docs += [d for d in yaml.safe_load_all(f.read_text()) if d]
     kinds = {d["kind"] for d in docs}
     assert {"DaemonSet", "ClusterRole", "ClusterRoleBinding", "ServiceAccount", "Service",

@@ -1,4 +1,5 @@
-"""tools/workloads/agent_json.py: the demo's agent-like heap and its READY/TOUCH/VERIFY protocol."""
+"""The demo's workload script (agentzip_blk/demo/scripts/agent_json.py): its agent-like heap
+and its READY/TOUCH/VERIFY protocol."""
 
 from __future__ import annotations
 
@@ -6,8 +7,7 @@ import os
 import subprocess
 import sys
 
-WORKLOAD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "tools", "workloads", "agent_json.py")
+from agentzip_blk.demo.workload import WORKLOAD
 
 
 def start(*args):

@@ -21,7 +21,7 @@ from agentzip_blk.store import PageStore
 
 PAGE = 4096
 TOLERANCE = 0.03
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 TARGET = r"""
 import json, random, sys
