@@ -36,15 +36,12 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from agentzip_blk.codec.codecs import Lz4Codec, Lz4HcCodec, ZstdCodec  # noqa: E402
+from agentzip_blk.codec.codecs import Lz4Codec, Lz4HcCodec, ZstdCodec, stored_size  # noqa: E402
+from agentzip_blk.codec.dictionaries.registry import DictionaryRegistry  # noqa: E402
+from agentzip_blk.codec.dictionaries.selector import Selector  # noqa: E402
+from agentzip_blk.codec.dictionaries.trainer import HostTrainer  # noqa: E402
 from agentzip_blk.codec.estimate import measure  # noqa: E402
 from benchmd import write_section  # noqa: E402
-from agentzip_blk.dictionaries import (  # noqa: E402
-    DictionaryRegistry,
-    HostTrainer,
-    Selector,
-    stored_size,
-)
 
 PAGE = 4096
 WORKLOAD_ORDER = ["Python data analysis", "tool calling", "headless browser", "Node.js text"]

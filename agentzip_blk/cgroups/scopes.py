@@ -105,7 +105,7 @@ def _guess_indent(text: str) -> tuple[int, int]:
         if stripped and not stripped.startswith(("#", "-")) and line != stripped:
             mapping = len(line) - len(stripped)
             break
-    offset = 2  # DESIGN.md's style: "  - cgroup: ..."
+    offset = 2  # the README's style: "  - cgroup: ..."
     if text.strip():
         try:
             _, _, bsi = load_yaml_guess_indent(text)

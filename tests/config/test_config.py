@@ -20,8 +20,8 @@ from agentzip_blk.config import (
 
 GiB = 1 << 30
 
-# The schema from DESIGN.md, verbatim, plus the device section: all defaults.
-DESIGN_YAML = """\
+# The documented schema (README), plus the device section: all defaults.
+SCHEMA_YAML = """\
 compression:
   algorithm: zstd          # zstd | lz4 | lz4hc
   level: 3
@@ -81,7 +81,7 @@ def test_empty_mapping_and_null_sections_are_defaults():
 
 def test_design_yaml_is_the_defaults(tmp_path):
     path = tmp_path / "config.yaml"
-    path.write_text(DESIGN_YAML)
+    path.write_text(SCHEMA_YAML)
     assert load_config(str(path)) == Config()
     assert load_config(path) == Config()  # PathLike works too
 

@@ -141,6 +141,6 @@ def test_stress_ng_swap_fast(tmp_path):
 @pytest.mark.slow
 def test_stress_ng_swap_long(tmp_path):
     # 2.25x the limit: a hard limit far below what runs makes v1 reclaim give up and
-    # OOM-kill even with free swap (DESIGN.md: squeeze gradually); that is not the device
+    # OOM-kill even with free swap (docs/ARCHITECTURE.md: squeeze gradually); that is not the device
     _check(run_stress(tmp_path, seconds=120, workers=3, vm_bytes=96 * MiB, limit=128 * MiB),
            pool_cycles=100, disk_cycles=20)

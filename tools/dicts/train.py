@@ -6,7 +6,7 @@ For each runtime: zstd's COVER trainer picks ~SIZE bytes of content from the *tr
 runs; only that content is shipped (raw-content dictionary). The manifest records, per
 held-out run (other programs, other runs), the gain of zstd LEVEL + this dictionary over
 plain zstd LEVEL, and, for comparison, the gain of the full trained dictionary (with its
-entropy tables) -- which is what DESIGN.md warns against, measured again here.
+entropy tables) -- which is what docs/ARCHITECTURE.md warns against, measured again here.
 
     .venv/bin/python tools/dicts/train.py --corpus /var/tmp/agentzip-corpus
 """
