@@ -98,3 +98,22 @@ def test_estimate_cli_cgroup_without_processes_or_missing(tmp_path):
     res = subprocess.run([sys.executable, "-m", "agentzip_blk.cli", "estimate", "--cgroup",
                           str(tmp_path / "nope")], capture_output=True, text=True, cwd=ROOT)
     assert res.returncode != 0 and "no such cgroup" in res.stderr
+
+
+def test_the_frames_row_matches_the_store_with_frames():
+    """The store's default compresses 16 new pages of a request together: the estimate's
+    frames row predicts its payload ratio on the same pages, written in order."""
+    r = __import__("random").Random(3)
+    words = [b"agent", b"tool", b"result", b"path", b"error", b"value", b"memory", b"{", b"}"]
+    blob = b" ".join(r.choice(words) + str(r.randint(0, 999)).encode() for _ in range(200000))
+    pages = [blob[i * PAGE:(i + 1) * PAGE] for i in range(256)]
+    est = estimate_pages(pages, dictionaries=False)
+    rows = {row.codec: row for row in est.rows}
+    store = PageStore(len(pages) * PAGE, max_size=1 << 30, frame_pages=16)
+    for i in range(0, len(pages), 16):
+        store.write(b"".join(pages[i:i + 16]), i * PAGE)
+    st = store.stats()
+    got = st["orig_mem"] / st["compressed_bytes"]
+    want = rows["zstd 3, 16-page frames"].ratio
+    assert abs(want / got - 1) <= TOLERANCE, (want, got)
+    assert want > rows["zstd 3"].ratio  # what frames are for
