@@ -1,4 +1,5 @@
-"""The exceptions that cross layers: what a caller of the store, the codec or the config catches.
+"""The exceptions that cross layers: what a caller of the store, the codec, the config or the
+attach chain catches (the CLI turns them into one line and an exit status).
 
 Errors private to one module (a full pool, a full disk tier) stay in that module.
 """
@@ -24,3 +25,11 @@ class OutOfRange(StoreError):
 
 class StoreFull(StoreError):
     """No room for the request's pages in any tier (ENOSPC); the kernel keeps them."""
+
+
+class SetupError(RuntimeError):
+    """A precondition is not met; the message is one line that says what to do."""
+
+
+class DeviceError(RuntimeError):
+    """A runtime failure of the attach/detach chain (a tool failed, a timeout)."""

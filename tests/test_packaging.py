@@ -25,6 +25,11 @@ RUNTIME_FILES = [
     "agentzip_blk/demo/scripts/agent_json.py",  # the demo's workload and the modules it imports
     "agentzip_blk/demo/scripts/protocol.py",
     "agentzip_blk/demo/scripts/pagewalk.py",
+    "agentzip_blk/fleet/units/agentzip-blk.service",  # systemd units
+    "agentzip_blk/fleet/units/agentzip-blk-metrics.service",
+    "agentzip_blk/fleet/units/agent-sandbox.slice",
+    "agentzip_blk/fleet/units/agent-sandbox-.slice.d/50-agentzip.conf",
+    "agentzip_blk/datapath/nbdkit_plugin.py",  # the plugin nbdkit loads
 ]
 
 

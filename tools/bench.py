@@ -50,7 +50,8 @@ for _p in (REPO, WORKLOADS_DIR, os.path.dirname(os.path.abspath(__file__))):
 
 import bench_report  # noqa: E402
 import pagewalk  # noqa: E402
-from agentzip_blk import system  # noqa: E402
+from agentzip_blk import procfs
+from agentzip_blk.host import facts
 from agentzip_blk.demo import backends, common, driver, workload  # noqa: E402
 from agentzip_blk.cgroups.fs import CgroupError, MemoryCgroup  # noqa: E402
 
@@ -508,7 +509,7 @@ def _version(argv: list[str]) -> str | None:
 
 
 def machine() -> dict:
-    mi = system.meminfo()
+    mi = procfs.meminfo()
     cpu = None
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
         cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
@@ -520,7 +521,7 @@ def machine() -> dict:
             "mem_total": mi.get("MemTotal"), "python": platform.python_version(), "pandas": pandas,
             "node": _version(["node", "--version"]),
             "chromium": _version([find_chromium() or "chromium", "--version"]),
-            "nbdkit": _version(["nbdkit", "--version"]), "zswap": system.zswap_enabled(),
+            "nbdkit": _version(["nbdkit", "--version"]), "zswap": facts.zswap_enabled(),
             "page_cluster": page_cluster,
             "cgroup": _safe(lambda: MemoryCgroup.own().version)}
 

@@ -37,8 +37,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import numpy as np  # noqa: E402
-
-from agentzip_blk import device  # noqa: E402
+from agentzip_blk.host import attach
 from agentzip_blk.config import Config  # noqa: E402
 from agentzip_blk.store import PageStore  # noqa: E402
 from benchmd import write_section  # noqa: E402
@@ -144,13 +143,13 @@ def run() -> dict:
     cfg = Config()
     cfg.pool.swap_out_path = f"{tmp}/disk-tier"
     cfg.compression.dictionary = "none"
-    with device.attached(cfg, f"{tmp}/run", size=1 << 30) as st:
+    with attach.attached(cfg, f"{tmp}/run", size=1 << 30) as st:
         # attached() made it swap; take swap off again: only the block path is measured here.
         subprocess.run(["swapoff", st.loop_device], check=True)
         h, call = nbd_reader(st.nbd_socket)
         h.pwrite(data, 0)
         rows["agentzip plugin over NBD (libnbd)"] = time_calls(call, offs)
-        from agentzip_blk import control
+        from agentzip_blk.datapath import control
 
         inside = control.request(st.control_socket, "stats").get("latency")
         h.shutdown()

@@ -12,7 +12,7 @@ re-reads everything and compares the checksum taken at build time (untimed).
 Two runs, each in a fresh memory cgroup below ours:
 
 - **unconstrained**: no device, no tuner;
-- **tuned**: the device attached (``device.attached``) and ``agentzip-blk tune`` running as a
+- **tuned**: the device attached (``attach.attached``) and ``agentzip-blk tune`` running as a
   subprocess with a scope matching the cgroup (policy from ``--grace``/``--interval`` etc.).
 
 Reported: wall time (spawn to DONE, and the work phase alone), the workload's RSS over the
@@ -45,6 +45,8 @@ import time
 from collections import deque
 
 from benchmd import write_section
+from agentzip_blk import procfs
+from agentzip_blk.host import attach
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKLOADS = os.path.join(ROOT, "tools", "workloads")
@@ -155,7 +157,7 @@ class Child:
 
 
 def one_run(kind: str, a, cfg_path: str, tmp: str) -> dict:
-    from agentzip_blk import control, device, system
+    from agentzip_blk.datapath import control
     from agentzip_blk.cgroups.fs import MemoryCgroup
     from agentzip_blk.config import load_config
 
@@ -168,7 +170,7 @@ def one_run(kind: str, a, cfg_path: str, tmp: str) -> dict:
     try:
         if kind == "tuned":
             cfg = load_config(cfg_path)
-            att = device.attached(cfg, run_dir, size=a.device_size << 20)
+            att = attach.attached(cfg, run_dir, size=a.device_size << 20)
             state = att.__enter__()
             tlog = open(os.path.join(tmp, "tuner.log"), "w")
             targv = [sys.executable, "-m", "agentzip_blk.cli", "--config", cfg_path, "--run-dir", run_dir,
@@ -236,7 +238,7 @@ def one_run(kind: str, a, cfg_path: str, tmp: str) -> dict:
         cg.remove()
         if att is not None:
             att.__exit__(None, None, None)
-        res["swaps_after"] = [s.filename for s in system.swaps()]
+        res["swaps_after"] = [s.filename for s in procfs.swaps()]
     return res
 
 
@@ -338,10 +340,9 @@ def main() -> int:
         return workload(a)
 
     sys.path.insert(0, ROOT)
-    from agentzip_blk import system
     if os.geteuid() != 0:
         sys.exit("bench_tuner: run as root (cgroups, swap)")
-    if system.swaps():
+    if procfs.swaps():
         sys.exit("bench_tuner: another swap area is active; run alone under flock /tmp/agentzip-swap.lock")
     tmp = tempfile.mkdtemp(prefix="bench-tuner-")
     cfg_path = os.path.join(tmp, "config.yaml")

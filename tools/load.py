@@ -37,6 +37,8 @@ import time
 import zlib
 
 from benchmd import replace_block
+from agentzip_blk import procfs
+from agentzip_blk.host import attach, runstate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN, END = "<!-- load:begin -->", "<!-- load:end -->"
@@ -198,7 +200,7 @@ class Workload:
 
 def run(args) -> dict:
     sys.path.insert(0, REPO)
-    from agentzip_blk import control, device, system
+    from agentzip_blk.datapath import control
     from agentzip_blk.cgroups.fs import LimitBusy, MemoryCgroup
     from agentzip_blk.config import parse_config
 
@@ -215,11 +217,11 @@ def run(args) -> dict:
     cgroups: list = []
     workloads: list[Workload] = []
     try:
-        others = [a.filename for a in system.swaps()]
+        others = [a.filename for a in procfs.swaps()]
         if others:
             raise SystemExit(f"load: other swap areas are active ({', '.join(others)}); "
                              "the device must be the only swap")
-        with device.attached(cfg, run_dir, priority=10, size=args.size) as state:
+        with attach.attached(cfg, run_dir, priority=10, size=args.size) as state:
             try:
                 pids = {"nbdkit": state.nbdkit_pid, "nbdfuse": state.nbdfuse_pid}
                 for i in range(args.workers):
@@ -254,7 +256,7 @@ def run(args) -> dict:
         result.update(summarize(args, series, results, workloads, oom, final_stats))
     finally:
         release(workloads, cgroups)
-        if device.RunState.load(run_dir) is None:
+        if runstate.RunState.load(run_dir) is None:
             shutil.rmtree(tmp, ignore_errors=True)
         else:  # never delete the state of a device that is still attached
             log(f"the device is still attached; its state is in {run_dir}: "

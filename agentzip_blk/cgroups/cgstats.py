@@ -33,7 +33,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from .. import system
+from .. import procfs
 
 __all__ = ["SwapEntries", "CgroupSwap", "our_swap_type", "swap_entries", "account", "collect",
            "query_slots", "PAGE"]
@@ -55,7 +55,7 @@ def our_swap_type(device: str, swaps_path: str = "/proc/swaps") -> int | None:
     index would undercount; ``collect`` therefore cross-checks (see ``_type_check``).
     """
     real = os.path.realpath(device)
-    for i, area in enumerate(system.swaps(swaps_path)):
+    for i, area in enumerate(procfs.swaps(swaps_path)):
         if area.filename == device or os.path.realpath(area.filename) == real:
             return i
     return None
@@ -230,7 +230,7 @@ def collect(backend, globs: list[str], control_path: str, device: str,
     swap_type = our_swap_type(device, swaps_path)
     if swap_type is None:
         raise ValueError(f"{device} is not an active swap area (/proc/swaps): is the device up?")
-    areas = len(system.swaps(swaps_path))
+    areas = len(procfs.swaps(swaps_path))
     slots_fn = slots_fn or (lambda s: query_slots(control_path, s))
     matched = [rel for rel in backend.walk() if any(match(g, rel) for g in globs)]
     rows = []

@@ -124,7 +124,7 @@ class ZramSwap(SwapBackend):
 
 
 class AgentzipSwap(SwapBackend):
-    """Our device: ``agentzip_blk.device.attached(config, run_dir)``; stats over the control socket."""
+    """Our device: ``host.attach.attached(config, run_dir)``; stats over the control socket."""
 
     name = "agentzip"
 
@@ -138,7 +138,7 @@ class AgentzipSwap(SwapBackend):
         self._cm = None
 
     def attach(self) -> None:
-        from .. import device
+        from ..host import attach
 
         if self.config is None:
             self.config = load_config(self.config_path)
@@ -148,7 +148,7 @@ class AgentzipSwap(SwapBackend):
         kw = dict(self.attach_kw)
         if self.config_path:
             kw["config_path"] = self.config_path
-        self._cm = device.attached(self.config, self.run_dir, **kw)
+        self._cm = attach.attached(self.config, self.run_dir, **kw)
         self.state = self._cm.__enter__()
 
     def detach(self) -> None:
@@ -157,7 +157,7 @@ class AgentzipSwap(SwapBackend):
             cm.__exit__(None, None, None)
 
     def stats(self) -> dict:
-        from .. import control
+        from ..datapath import control
 
         st = dict(control.request(self.state.control_socket, "stats"))
         st.pop("ok", None)

@@ -6,7 +6,8 @@ import dataclasses
 import os
 import subprocess
 
-from .. import system
+from .. import procfs
+from ..host import facts
 from ..config.quantities import format_bytes
 
 MiB = 1 << 20
@@ -20,14 +21,14 @@ class DemoError(RuntimeError):
 # /proc readers
 
 
-meminfo = system.meminfo
-rss_of = system.process_rss
-zswap_enabled = system.zswap_enabled
+meminfo = procfs.meminfo
+rss_of = procfs.process_rss
+zswap_enabled = facts.zswap_enabled
 
 
 def proc_swaps() -> list[dict]:
     """Active swap areas: filename, type, size and used in bytes, priority."""
-    return [dataclasses.asdict(area) for area in system.swaps()]
+    return [dataclasses.asdict(area) for area in procfs.swaps()]
 
 
 def pcp_free_bytes() -> int:

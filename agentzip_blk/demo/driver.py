@@ -3,7 +3,7 @@
 ``run_squeeze(swap_kind, mb)`` is the driver shared by ``agentzip-blk demo`` and
 ``tools/bench_demo.py``:
 
-1. attach the swap backend (``backends``; ``agentzip``: our device via ``device.attached``;
+1. attach the swap backend (``backends``; ``agentzip``: our device via ``host.attach.attached``;
    ``zram-lz4`` / ``zram-lzo-rle`` / ``zram:ALG``: the kernel's /dev/zram0 for comparison);
 2. create a memory cgroup below our own, with no limit, and start the workload
    (``workload``: ``scripts/agent_json.py``) in it; wait for ``READY``, time one ``CHECK`` pass

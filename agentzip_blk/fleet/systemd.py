@@ -1,14 +1,12 @@
-"""``agentzip-blk install-units [--prefix DIR] [--bin PATH]``: install the systemd units.
+"""The systemd units and their installer (``agentzip-blk install-units``, cli.install_units).
 
-Copies ``deploy/systemd/`` (agentzip-blk.service, agentzip-blk-metrics.service,
-agent-sandbox.slice and the agent-sandbox-.slice.d/ drop-in) into
+Copies the units (``fleet/units/``, package data; ``deploy/systemd`` in the tree links to
+it): agentzip-blk.service, agentzip-blk-metrics.service,
+agent-sandbox.slice and the agent-sandbox-.slice.d/ drop-in, into
 ``PREFIX/etc/systemd/system`` (PREFIX defaults to ``/``; a staging root for packages or tests
 otherwise), with the agentzip-blk path in ``ExecStart=``/``ExecStop=`` replaced by the
 installed program (``--bin``, default: this program). It does not run systemctl: it prints
 the commands to do so.
-
-The units ship in the source tree (``deploy/systemd``), next to the package; a wheel install
-without the tree needs ``--source DIR``.
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ from pathlib import Path
 
 PLACEHOLDER_BIN = "/usr/local/bin/agentzip-blk"
 UNIT_DIR = "etc/systemd/system"
-SOURCE = Path(__file__).resolve().parents[2] / "deploy" / "systemd"
+SOURCE = Path(__file__).resolve().parent / "units"
 
 
 @dataclass
@@ -61,31 +59,3 @@ def install(prefix: str = "/", bin_path: str | None = None, source: Path = SOURC
         os.replace(tmp, dst)  # atomic: systemd never reads half a unit
         out.append(str(dst))
     return Installed(unit_dir, out, bin_path)
-
-
-def cmd_install_units(args) -> int:
-    from .. import cli
-
-    try:
-        res = install(args.prefix, args.bin, Path(args.source) if args.source else SOURCE)
-    except FileNotFoundError as e:
-        raise cli.CliError(str(e)) from None
-    except PermissionError as e:
-        raise cli.CliError(f"cannot write {e.filename}: run as root or pass --prefix DIR") from None
-    for f in res.files:
-        print(f"installed {f}")
-    if res.bin == PLACEHOLDER_BIN and not os.path.exists(PLACEHOLDER_BIN):
-        print(f"warning: {PLACEHOLDER_BIN} does not exist: pass --bin PATH", file=sys.stderr)
-    if os.path.abspath(args.prefix) == "/":
-        print("next: systemctl daemon-reload && systemctl enable --now agentzip-blk.service "
-              "[agentzip-blk-metrics.service]")
-    return 0
-
-
-def register(sub) -> None:
-    s = sub.add_parser("install-units", help="install the systemd units (service, sandbox slices)")
-    s.add_argument("--prefix", default="/", metavar="DIR",
-                   help="install root: units go to DIR/etc/systemd/system (default /)")
-    s.add_argument("--bin", metavar="PATH", help="agentzip-blk path for ExecStart (default: this program)")
-    s.add_argument("--source", metavar="DIR", help="unit sources (default: deploy/systemd of the tree)")
-    s.set_defaults(func=cmd_install_units)

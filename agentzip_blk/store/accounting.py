@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..codec import codecs
-from ..protect import array_resident_bytes  # TODO(phase 2): moves below the datapath
 from .blobs import DISK, POOL
 from .dedup import SUB_BITS
 from .disk import ALLOC_STEP
 from .slots import BLOB, EMPTY
+from .tables import array_resident_bytes
 
 if TYPE_CHECKING:
     from .pagestore import PageStore

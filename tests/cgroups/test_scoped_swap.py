@@ -32,7 +32,11 @@ import time
 
 import pytest
 
-from agentzip_blk import cli, control, device, system
+from agentzip_blk import procfs
+from agentzip_blk.host import attach, facts, procs
+from agentzip_blk import cli
+
+from agentzip_blk.datapath import control
 from agentzip_blk.cgroups import cgstats, scopes
 from agentzip_blk.cgroups.backends import open_backend
 from agentzip_blk.cgroups.fs import CgroupError, MemoryCgroup, detect
@@ -57,12 +61,12 @@ V2_TUNABLES = ("memory.high", "memory.max", "memory.low", "memory.min", "memory.
 def _skip_reason() -> str | None:
     if os.geteuid() != 0:
         return "needs root"
-    missing = system.missing_tools(TOOLS)
+    missing = facts.missing_tools(TOOLS)
     if missing:
         return f"missing tools: {', '.join(missing)}"
-    if system.zswap_enabled():
+    if facts.zswap_enabled():
         return "zswap is enabled"
-    if system.swaps():
+    if procfs.swaps():
         return "another swap area is active: this test needs the device to be the only swap"
     try:
         detect()
@@ -90,7 +94,7 @@ def _tuner(backend, ledger, config_path, state, lines) -> Tuner:
 
     return Tuner(backend, ledger, lambda: scopes.list_scopes(config_path), s,
                  pingpong=lambda: control.request(state.control_socket, "stats")["pingpong"],
-                 device_ok=lambda: system.swap_area(state.device) is not None,
+                 device_ok=lambda: procfs.swap_area(state.device) is not None,
                  protected_pids=lambda: [p for p in (state.nbdkit_pid, state.nbdfuse_pid) if p],
                  log=lines.append)
 
@@ -126,7 +130,7 @@ def test_scoped_and_unscoped(tmp_path):
         w_scoped.expect("READY", 120)
         w_unscoped.expect("READY", 120)
 
-        with device.attached(cfg, run_dir, size=1 << 30) as state:
+        with attach.attached(cfg, run_dir, size=1 << 30) as state:
             ledger = Ledger(run_dir)
             backend = open_backend(controller=controller, writer=ledger)
             ledger.rel_of = backend.rel_of
@@ -160,7 +164,7 @@ def test_scoped_and_unscoped(tmp_path):
             # the kernel's view: slots allocated on our swap area (zero pages included), and
             # the cgroup's swap + swap cache (v1 memory.stat counts a page written out but
             # still in the swap cache as swapcached, not as swap)
-            used = system.swap_area(state.device).used
+            used = procfs.swap_area(state.device).used
             assert abs(row["orig_mem"] - used) <= used * slack + 64 * PAGE
             if scoped.version == 1:
                 ms = scoped.stat()
@@ -211,7 +215,7 @@ def test_scoped_and_unscoped(tmp_path):
             except (CgroupError, OSError):
                 pass
             cg.remove()
-    assert system.swaps() == []
+    assert procfs.swaps() == []
 
 
 @pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
@@ -255,9 +259,9 @@ def test_up_tune_starts_the_tuner_and_down_restores(tmp_path):
             p.kill()
             p.wait()
             cg.remove()
-    assert running_pid(run_dir) is None and not system.pid_alive(pid)
+    assert running_pid(run_dir) is None and not procs.pid_alive(pid)
     assert after == snap
     assert Ledger(run_dir).entries() == []
     log = open(os.path.join(run_dir, "tuner.log")).read()
     assert f"{cg.rel}: prepared" in log and "stopped:" in log
-    assert system.swaps() == []
+    assert procfs.swaps() == []

@@ -198,7 +198,7 @@ def test_file_format_round_trip_and_corruption(tmp_path):
 
 def test_server_refuses_to_start_on_a_corrupt_dictionary(dict_copy, tmp_path, monkeypatch):
     """nbdkit's config_complete path: Server.from_keys checks the files before listening."""
-    from agentzip_blk.server import Server
+    from agentzip_blk.datapath.server import Server
     cfg = tmp_path / "config.yaml"
     cfg.write_text(f"compression: {{dictionary: prebuilt}}\npool: {{swap_out_path: {tmp_path}/swap}}\n")
     Server.from_keys({"config": str(cfg), "size": str(1 << 20)})  # intact copy: fine

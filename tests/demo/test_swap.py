@@ -7,8 +7,8 @@ import os
 import shutil
 
 import pytest
-
-from agentzip_blk import system
+from agentzip_blk import procfs
+from agentzip_blk.host import attach, facts
 from agentzip_blk.demo import driver as demo
 from agentzip_blk.config import Config
 
@@ -18,7 +18,7 @@ pytestmark = [
     pytest.mark.swap,
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root (swapon, loop, cgroups)"),
     pytest.mark.skipif(
-        bool(system.missing_tools(["nbdkit", "nbdfuse", "losetup", "mkswap", "swapon"])),
+        bool(facts.missing_tools(["nbdkit", "nbdfuse", "losetup", "mkswap", "swapon"])),
         reason="nbdkit/nbdfuse/util-linux missing (./setup.sh installs them)",
     ),
 ]
@@ -26,7 +26,7 @@ pytestmark = [
 
 def leftovers(run_dir: str) -> list[str]:
     """Anything of this run still attached: swap areas, loop devices, mounts, processes."""
-    found = [f"swap {a.filename}" for a in system.swaps()]
+    found = [f"swap {a.filename}" for a in procfs.swaps()]
     with open("/proc/mounts") as f:
         found += [f"mount {line.split()[1]}" for line in f if run_dir in line]
     for pid in os.listdir("/proc"):
@@ -49,15 +49,14 @@ def leftovers(run_dir: str) -> list[str]:
 
 @pytest.fixture
 def run_dir(tmp_path_factory):
-    if system.swaps():
+    if procfs.swaps():
         pytest.skip("another swap area is active; this test must own swap")
     path = str(tmp_path_factory.mktemp("swaprun"))
     yield path
     # run_squeeze tears down itself; this is the belt to its braces.
-    from agentzip_blk import device
 
     try:
-        device.down(path, force=True)
+        attach.down(path, force=True)
     except Exception:
         pass
     left = leftovers(path)

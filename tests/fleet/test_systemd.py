@@ -28,7 +28,7 @@ UNITS = ["agentzip-blk.service", "agentzip-blk-metrics.service", "agent-sandbox.
 
 def _bin() -> str:
     # ExecStart must name an existing executable or verify complains
-    b = shutil.which("agentzip-blk") or str(Path(cli.__file__).resolve().parents[1] / ".venv/bin/agentzip-blk")
+    b = shutil.which("agentzip-blk") or str(Path(cli.__file__).resolve().parents[2] / ".venv/bin/agentzip-blk")
     if not os.access(b, os.X_OK):
         pytest.skip("agentzip-blk console script not installed (pip install -e .)")
     return b

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from agentzip_blk.control import request
+from agentzip_blk.datapath.control import request
 from nbdkit_server import PLUGIN, RunningServer, plugin_env
 
 HERE = Path(__file__).resolve().parent

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from agentzip_blk.control import MAX_LINE
+from agentzip_blk.datapath.control import MAX_LINE
 
 from . import support
 from .conftest import skip_reason

@@ -14,11 +14,12 @@ import tempfile
 
 import pytest
 
-from agentzip_blk import device, system
-
 from . import support
 from .conftest import skip_reason
 from .support import PAGE, make_pages
+from agentzip_blk import procfs
+from agentzip_blk import errors
+from agentzip_blk.host import attach, chain, procs, runstate
 
 pytestmark = pytest.mark.skipif(skip_reason("nbdkit") is not None,
                                 reason=str(skip_reason("nbdkit")))
@@ -144,25 +145,25 @@ def test_down_refuses_to_stop_server_under_swap(tmp_path, swap_locked):
     cfg.pool.swap_out_path = str(tmp_path / "disk-tier")
     run_dir = tempfile.mkdtemp(prefix="azrel-run-", dir="/tmp")
     try:
-        with device.attached(cfg, run_dir, priority=5, size=64 << 20) as state:
-            assert system.swap_area(state.device) is not None
-            fake = device.RunState.load(run_dir)
+        with attach.attached(cfg, run_dir, priority=5, size=64 << 20) as state:
+            assert procfs.swap_area(state.device) is not None
+            fake = runstate.RunState.load(run_dir)
             fake.tools = {"swapoff": "/bin/true"}
-            with pytest.raises(device.DeviceError, match="still in /proc/swaps"):
-                device._teardown(fake)
-            assert system.swap_area(state.device) is not None
-            assert system.pid_alive(state.nbdkit_pid)
+            with pytest.raises(errors.DeviceError, match="still in /proc/swaps"):
+                chain.teardown(fake)
+            assert procfs.swap_area(state.device) is not None
+            assert procs.pid_alive(state.nbdkit_pid)
             assert support.request(state.control_socket, "ping")["pid"] == state.nbdkit_pid
             # the CLI's down, with the same do-nothing swapoff recorded in the state
             fake.save()
             from agentzip_blk import cli
             assert cli.main(["--run-dir", run_dir, "down", "--force"]) != 0
-            assert system.pid_alive(state.nbdkit_pid)
-            assert system.swap_area(state.device) is not None
-            ok = device.RunState.load(run_dir)
+            assert procs.pid_alive(state.nbdkit_pid)
+            assert procfs.swap_area(state.device) is not None
+            ok = runstate.RunState.load(run_dir)
             ok.tools = {}
             ok.save()
-        assert system.swap_area(state.device) is None
-        assert not system.pid_alive(state.nbdkit_pid)
+        assert procfs.swap_area(state.device) is None
+        assert not procs.pid_alive(state.nbdkit_pid)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)

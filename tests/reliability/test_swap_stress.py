@@ -15,8 +15,8 @@ import tempfile
 import time
 
 import pytest
-
-from agentzip_blk import device, system
+from agentzip_blk import procfs
+from agentzip_blk.host import attach
 from agentzip_blk.cgroups.fs import MemoryCgroup
 from agentzip_blk.config import parse_config
 
@@ -50,10 +50,10 @@ def run_stress(tmp_path, seconds: int, workers: int = 2, vm_bytes: int = 96 * Mi
     result: dict = {}
     try:
         with support.swap_lock():
-            others = [a.filename for a in system.swaps()]
+            others = [a.filename for a in procfs.swaps()]
             assert others == [], f"other swap areas are active ({others}): the device must be " \
                                  "the only swap (someone is not holding the swap lock?)"
-            with device.attached(cfg, run_dir, priority=10, size=1 << 30) as state:
+            with attach.attached(cfg, run_dir, priority=10, size=1 << 30) as state:
                 cg = MemoryCgroup.create(name)
                 try:
                     cg.allow_swap()

@@ -232,7 +232,7 @@ def test_pool_memory_is_counted_as_the_kernel_sees_it(frame_pages: int):
     last page untouched): never less than the kernel holds."""
     import ctypes
 
-    from agentzip_blk.protect import resident_bytes
+    from agentzip_blk.store.tables import resident_bytes
 
     store = PageStore(DEVICE, max_size=64 << 20, frame_pages=frame_pages)
     rnd = random.Random(3)
@@ -254,7 +254,7 @@ def test_the_slot_table_costs_only_the_chunks_in_use():
     """A 4 GiB device has 14 MiB of slot table; pages written at a few places cost a few
     table pages, and neither a whole-device discard (what swapon and a sandbox's exit send)
     nor stats may fault in the rest."""
-    from agentzip_blk.protect import array_resident_bytes
+    from agentzip_blk.store.tables import array_resident_bytes
     from agentzip_blk.store.slots import CHUNK_SLOTS
 
     size = 4 << 30

@@ -8,6 +8,9 @@ import time
 
 import agentzip_blk
 
+from ... import procfs
+from ...host.procs import pid_alive
+
 TUNER_PID = "tuner.pid"
 TUNER_LOG = "tuner.log"
 TUNER_LOCK = "tuner.lock"
@@ -49,22 +52,18 @@ def release_instance(run_dir: str, fd: int) -> None:
 
 
 def _is_tuner(pid: int, run_dir: str) -> bool:
-    from ... import system
-
-    argv = system.process_cmdline(pid)
+    argv = procfs.process_cmdline(pid)
     return "tune" in argv and any(run_dir in a for a in argv)
 
 
 def running_pid(run_dir: str) -> int | None:
     """The pid of the tuner of *run_dir* if it runs."""
-    from ... import system
-
     try:
         with open(os.path.join(run_dir, TUNER_PID)) as f:
             pid = int(f.read().strip())
     except (OSError, ValueError):
         return None
-    return pid if system.pid_alive(pid) and _is_tuner(pid, run_dir) else None
+    return pid if pid_alive(pid) and _is_tuner(pid, run_dir) else None
 
 
 def start_daemon(run_dir: str, config_path: str | None, extra: list[str] | None = None,
@@ -103,17 +102,15 @@ def stop_daemon(run_dir: str, timeout: float = 30.0) -> int | None:
     """SIGTERM the tuner of *run_dir* (it restores what it wrote), SIGKILL after *timeout*."""
     import signal
 
-    from ... import system
-
     pid = running_pid(os.path.abspath(run_dir))
     if pid is None:
         return None
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    while system.pid_alive(pid) and time.monotonic() < deadline:
+    while pid_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    if system.pid_alive(pid) and _is_tuner(pid, os.path.abspath(run_dir)):
+    if pid_alive(pid) and _is_tuner(pid, os.path.abspath(run_dir)):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     return pid

@@ -1,0 +1,107 @@
+"""What the commands share: exit statuses, CliError, the config and run directory of a
+command line, sizes, byte formatting, a progress bar, serving until Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from ..codec.dictionaries import known_names
+from ..config import load_config
+from ..config.quantities import format_bytes, parse_size
+from ..host.runstate import RunState, resolve_run_dir
+
+PROG = "agentzip-blk"
+EXIT_RUNTIME = 1
+EXIT_SETUP = 2
+EXIT_NOT_ATTACHED = 3
+EXIT_UNHEALTHY = 4
+
+
+class CliError(Exception):
+    def __init__(self, message: str, code: int = EXIT_SETUP):
+        super().__init__(message)
+        self.code = code
+
+
+def serve_until_interrupted(server) -> int:
+    """Run an HTTP(S) server of a foreground subcommand until Ctrl-C; returns exit status 0."""
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+def fmt(n) -> str:
+    return "-" if n is None else format_bytes(int(n))
+
+
+def size_arg(text: str | None) -> int | None:
+    """A --size value in bytes (None when not given)."""
+    if text is None:
+        return None
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise CliError(f"--size: {e}") from None
+
+
+def config_of(args):
+    """The Config named by --config (None: /etc/agentzip/config.yaml or defaults)."""
+    # known_dictionaries: an unknown compression.dictionary name is a config error here too
+    return load_config(args.config, known_dictionaries=known_names())
+
+
+def run_dir_of(args, config=None) -> str:
+    if args.run_dir:
+        return os.path.abspath(args.run_dir)
+    if config is None:
+        config = config_of(args)
+    return resolve_run_dir(config, None)
+
+
+def control_path_of(args) -> str:
+    """The control socket: --control, else the one the run directory's state names."""
+    if args.control:
+        return args.control
+    run_dir = run_dir_of(args)
+    state = RunState.load(run_dir)
+    if state is not None and state.control_socket:
+        return state.control_socket
+    path = os.path.join(run_dir, "control.sock")
+    if not os.path.exists(path):
+        raise CliError(f"no server in {run_dir} (no control socket): start one with "
+                       f"`{PROG} up` or `{PROG} serve`, or pass --control PATH", EXIT_RUNTIME)
+    return path
+
+
+def error(msg: str) -> None:
+    print(f"{PROG}: error: {msg}", file=sys.stderr)
+
+
+class ProgressBar:
+    """A one-line progress bar on stderr (redrawn in place on a terminal)."""
+
+    def __init__(self, label: str, stream=None, width: int = 30) -> None:
+        self.label = label
+        self.stream = stream or sys.stderr
+        self.width = width
+        self._last = -1.0
+        self._tty = getattr(self.stream, "isatty", lambda: False)()
+
+    def __call__(self, done: int, total: int) -> None:
+        frac = done / total if total else 1.0
+        if not self._tty and frac < 1.0 and frac - self._last < 0.25:
+            return  # a log file gets a few lines, not thousands
+        if self._tty and frac < 1.0 and frac - self._last < 0.01:
+            return
+        self._last = frac
+        fill = int(frac * self.width)
+        line = f"{self.label} [{'#' * fill}{'.' * (self.width - fill)}] {frac:4.0%} {done}/{total}"
+        self.stream.write(("\r" + line) if self._tty else (line + "\n"))
+        if self._tty and frac >= 1.0:
+            self.stream.write("\n")
+        self.stream.flush()

@@ -1,0 +1,129 @@
+"""``agentzip-blk scope add|remove|enable|disable|list --cgroup GLOB``.
+
+Edits the ``scopes:`` list of the config file (``--config``, default
+/etc/agentzip/config.yaml, created on the first ``add``), keeping its comments. ``disable`` and
+``remove`` also put back the original settings of every cgroup that no enabled scope covers
+any more (from the ledger in the run directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from ._common import CliError, run_dir_of
+
+ACTIONS = ("add", "remove", "enable", "disable", "list")
+
+
+def _backend(args):
+    from ..cgroups.backends import open_backend
+    from ..cgroups.fs import CgroupError
+
+    try:
+        return open_backend(args.cgroup_root or "/")
+    except CgroupError:
+        return None
+
+
+def _release(args, run_dir: str) -> str:
+    from ..cgroups import ledger, scopes
+
+    backend = _backend(args)
+    rel_of = None
+    if backend is not None:
+        mount = backend.mount.rstrip("/") + "/"
+
+        def rel_of(e):
+            d = e.path.rsplit("/", 1)[0]
+            return backend.rel_of(d) if d.startswith(mount) or d == backend.mount else e.cgroup
+    report = ledger.release_unscoped(run_dir, scopes.list_scopes(args.config), rel_of=rel_of)
+    if not (report.restored or report.gone or report.failed):
+        return ""
+    cgs = sorted({e.cgroup for e in report.restored})
+    return f"; {report.summary()}" + (f" ({', '.join(cgs)})" if cgs else "")
+
+
+def cmd_scope(args) -> int:
+    from ..cgroups import scopes
+    from ..config import DEFAULT_CONFIG_PATH
+
+    path = args.config or DEFAULT_CONFIG_PATH
+    if args.action == "list":
+        return _list(args, path)
+    if not args.cgroup:
+        raise CliError(f"scope {args.action}: --cgroup GLOB is required")
+    if not _writable(path):
+        raise CliError(f"scope {args.action}: cannot write {path}: run as root")
+    try:
+        if args.action == "add":
+            msg = scopes.add(path, args.cgroup, enabled=not args.disabled)
+        elif args.action == "remove":
+            msg = scopes.remove(path, args.cgroup)
+        elif args.action == "enable":
+            msg = scopes.enable(path, args.cgroup)
+        else:
+            msg = scopes.disable(path, args.cgroup)
+    except scopes.ScopeError as e:
+        raise CliError(str(e)) from None
+    if args.action in ("remove", "disable"):
+        msg += _release(args, run_dir_of(args))
+    print(f"{msg} in {path}")
+    return 0
+
+
+def _writable(path: str) -> bool:
+    target = path if os.path.exists(path) else os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(target):
+        target = os.path.dirname(target)
+    return os.access(target, os.W_OK)
+
+
+def _list(args, path: str) -> int:
+    from ..cgroups import scopes
+    from ..cgroups.ledger import Ledger
+
+    scope_list = scopes.list_scopes(args.config)
+    backend = _backend(args)
+    paths = list(backend.walk()) if backend is not None else []
+    rows = []
+    for s in scope_list:
+        matches = scopes.scoped_cgroups(paths, [type(s)(s.cgroup, True)]) if paths else []
+        rows.append({"cgroup": s.cgroup, "enabled": s.enabled, "matches": matches})
+    try:
+        ledger = Ledger(run_dir_of(args)).entries()
+    except Exception:
+        ledger = []
+    tuned: dict[str, list[str]] = {}
+    for e in ledger:
+        tuned.setdefault(e.cgroup, []).append(e.path.rsplit("/", 1)[-1])
+    if args.json:
+        print(json.dumps({"config": path, "scopes": rows, "tuned": tuned,
+                          "hierarchy": backend.kind if backend else None}, sort_keys=True))
+        return 0
+    width = max([len("GLOB")] + [len(r["cgroup"]) for r in rows])
+    print(f"{'GLOB':<{width}}  ENABLED  MATCHING CGROUPS")
+    for r in rows:
+        m = r["matches"]
+        shown = ", ".join(m[:4]) + (f" (+{len(m) - 4})" if len(m) > 4 else "")
+        print(f"{r['cgroup']:<{width}}  {'yes' if r['enabled'] else 'no':<7}  "
+              f"{len(m)}{': ' + shown if m else ''}")
+    if not rows:
+        print("(no scopes: the tuner touches no cgroup)")
+    if not os.path.exists(path):
+        print(f"({path} does not exist: these are the defaults; `scope add` creates it)")
+    for cg, files in tuned.items():
+        print(f"tuned now: {cg} ({', '.join(files)}; restored on disable/remove/down)")
+    return 0
+
+
+def register(sub) -> None:
+    s = sub.add_parser("scope", help="cgroups the tuner may touch (globs in the config file)")
+    s.add_argument("action", choices=ACTIONS, help="add | remove | enable | disable | list")
+    s.add_argument("--cgroup", metavar="GLOB",
+                   help="cgroup glob, matched anywhere in the hierarchy (e.g. 'agent-sandbox-*.slice')")
+    s.add_argument("--disabled", action="store_true", help="add: add the scope disabled")
+    s.add_argument("--json", action="store_true", help="list: print JSON")
+    s.add_argument("--cgroup-root", help=argparse.SUPPRESS)  # tests: a fake cgroupfs tree
+    s.set_defaults(func=cmd_scope)

@@ -1,0 +1,56 @@
+"""`agentzip-blk up [--tune]`: start the server and attach it as swap; with --tune, also the
+tuner in the background (logging to RUN/tuner.log) when an enabled scope exists; `down`
+stops it and restores whatever it recorded."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from ..cgroups.tuner.daemon import start_daemon
+from ..host import attach, facts
+from ._common import EXIT_RUNTIME, PROG, CliError, config_of, fmt, run_dir_of, size_arg
+
+
+def register(sub) -> None:
+    s = sub.add_parser("up", help="start the server and attach it as swap")
+    s.add_argument("--priority", type=int, metavar="N",
+                   help="swap priority (default device.swap_priority)")
+    s.add_argument("--size", metavar="SIZE", help="device size, e.g. 8G (default device.size)")
+    s.add_argument("--allow-zswap", action="store_true",
+                   help="attach even though zswap is enabled (double compression)")
+    s.add_argument("--timeout", type=float, default=30.0, help=argparse.SUPPRESS)
+    s.add_argument("--plugin", help=argparse.SUPPRESS)
+    s.add_argument("--no-mlock", action="store_true", help=argparse.SUPPRESS)
+    s.add_argument("--tune", action="store_true",
+                   help="also start the tuner in the background (when a scope is enabled)")
+    s.set_defaults(func=cmd_up)
+
+
+def cmd_up(args) -> int:
+    """up, and with --tune the tuner in the background once the device is attached."""
+    facts.require_root(f"{PROG} up")
+    config = config_of(args)
+    run_dir = run_dir_of(args, config)
+    size = size_arg(args.size)
+    state = attach.up(config, args.config, run_dir, args.priority, size, plugin=args.plugin,
+                      allow_zswap=args.allow_zswap, timeout=args.timeout,
+                      mlock=not args.no_mlock)
+    via = (f"nbdfuse pid {state.nbdfuse_pid} + {state.loop_device} (direct I/O)"
+           if state.mode == "fuse" else f"kernel nbd {state.nbd_device}")
+    print(f"{state.device}: swap on, {fmt(state.size)}, priority {state.swap_priority}; "
+          f"nbdkit pid {state.nbdkit_pid}, {via}; run dir {run_dir}")
+    if args.tune:
+        _start_tuner(args, config, run_dir)
+    return 0
+
+
+def _start_tuner(args, config, run_dir: str) -> None:
+    if not any(s.enabled for s in config.scopes):
+        print(f"tuner not started: no enabled scope (`{PROG} scope add --cgroup GLOB`)")
+        return
+    try:
+        pid = start_daemon(run_dir, args.config)
+    except RuntimeError as e:
+        raise CliError(f"device is up, but {e}", EXIT_RUNTIME) from None
+    print(f"tuner pid {pid} started; log {os.path.join(run_dir, 'tuner.log')}")

@@ -1,0 +1,224 @@
+"""What runs inside nbdkit: the page store, its protection and its control socket.
+
+The nbdkit plugin hands its config keys to `Server.from_keys` and forwards every request
+here; the mapping of exceptions to errno values is the plugin's only other job.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from time import perf_counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .. import procfs
+from ..codec import dictionaries
+from ..config import Config, load_config
+from ..config.quantities import parse_size
+from ..store import PageStore
+from ..store.tiering import Maintainer
+from . import latency, protect
+from .control import ControlServer
+from .guard import SignalGuard
+
+PLUGIN_KEYS = ("config", "size", "control")
+
+
+@dataclass
+class ServerOptions:
+    config_path: str | None = None
+    size: int | None = None
+    control: str | None = None
+
+    @classmethod
+    def from_keys(cls, keys: dict[str, str]) -> ServerOptions:
+        unknown = set(keys) - set(PLUGIN_KEYS)
+        if unknown:
+            raise ValueError(
+                f"unknown plugin key(s) {', '.join(sorted(unknown))} (known: {', '.join(PLUGIN_KEYS)})"
+            )
+        size = parse_size(keys["size"]) if "size" in keys else None
+        return cls(config_path=keys.get("config"), size=size, control=keys.get("control"))
+
+
+@dataclass
+class Protection:
+    memory_locked: str | None = "not tried"
+    oom_score: str | None = "not tried"
+    io_flusher: str | None = "not tried"
+    io_flusher_threads: set[int] = field(default_factory=set)
+    parent_death_signal: str | None = "not tried"
+
+
+class Server:
+    def __init__(self, options: ServerOptions, config: Config) -> None:
+        self.options = options
+        self.config = config
+        size = options.size if options.size is not None else config.device.size
+        if size % config.compression.page_size:
+            raise ValueError(f"size {size} is not a multiple of {config.compression.page_size}")
+        self.size = size
+        self.store: PageStore | None = None
+        self.control: ControlServer | None = None
+        self.maintainer: Maintainer | None = None
+        self.protection = Protection()
+        self.latency = latency.Latency()  # pread/pwrite/trim/zero time themselves into it
+        self.started = time.time()
+        self._flusher_lock = threading.Lock()
+        self.guard: SignalGuard | None = None
+
+    @classmethod
+    def from_keys(cls, keys: dict[str, str]) -> Server:
+        options = ServerOptions.from_keys(keys)
+        # unknown dictionary names become config errors
+        config = load_config(options.config_path, known_dictionaries=dictionaries.known_names())
+        dictionaries.check_setting(config)  # a bad dictionary file stops nbdkit before it listens
+        return cls(options, config)
+
+    def start(self, stop: Callable[[], None] | None = None) -> None:
+        """After nbdkit forked, in its main thread: refuse polite signals, lock memory,
+        build the store, open the control socket. ``stop`` asks the host process to exit
+        (nbdkit.shutdown); without it signals keep their old meaning."""
+        if stop is not None:
+            self.guard = SignalGuard(stop, _say)
+            self.guard.install()
+        self.protection.parent_death_signal = protect.clear_parent_death_signal()
+        # mlockall is undone by fork(): lock again in the process that serves.
+        self.protection.memory_locked = protect.lock_memory()
+        self.protection.oom_score = protect.lower_oom_score()
+        self.protection.io_flusher = protect.set_io_flusher()
+        self.store = PageStore.from_config(self.size, self.config)
+        self.maintainer = Maintainer(self.store)
+        self.maintainer.start()
+        if self.options.control:
+            self.control = ControlServer(self.options.control, self.handlers())
+            self.control.start()
+
+    def stop(self) -> None:
+        if self.control is not None:
+            self.control.stop()
+        if self.maintainer is not None:
+            self.maintainer.stop()
+        if self.store is not None:
+            self.store.close()  # removes the disk tier file
+
+    def on_request_thread(self) -> None:
+        """PR_SET_IO_FLUSHER is per thread; mark each nbdkit worker the first time it calls."""
+        ident = threading.get_ident()
+        if ident not in self.protection.io_flusher_threads:
+            with self._flusher_lock:
+                self.protection.io_flusher_threads.add(ident)
+            protect.set_io_flusher()
+
+    # -- requests (the plugin's callbacks), each timed into `latency` ------------------
+
+    def pread(self, buf, offset: int) -> None:
+        self.on_request_thread()
+        t0 = perf_counter()
+        self.store.readinto(buf, offset)
+        self.latency.read.observe(perf_counter() - t0)
+
+    def pwrite(self, buf, offset: int) -> None:
+        self.on_request_thread()
+        t0 = perf_counter()
+        self.store.write(buf, offset)
+        self.latency.write.observe(perf_counter() - t0)
+
+    def trim(self, offset: int, length: int) -> None:
+        t0 = perf_counter()
+        self.store.trim(offset, length)
+        self.latency.trim.observe(perf_counter() - t0)
+
+    def zero(self, offset: int, length: int) -> None:
+        t0 = perf_counter()
+        self.store.zero(offset, length)
+        self.latency.zero.observe(perf_counter() - t0)
+
+    def flush(self) -> None:
+        self.store.flush()
+
+    # -- control verbs ---------------------------------------------------------------
+
+    def handlers(self) -> dict:
+        return {
+            "stats": self._stats,
+            "ping": lambda req: {"pid": os.getpid()},
+            "defrag": self._defrag,
+            "reclaim": self._reclaim,
+            "slots": self._slots,
+            "health": self._health,
+            "guard": self._guard,
+            "shutdown": self._shutdown,
+        }
+
+    def _health(self, request: dict) -> dict:
+        """Unlike ping, this waits for the store lock: a wedged request path times out."""
+        return {"pid": os.getpid(), "store": self.store.health(),
+                "guarded": self.guard is not None and self.guard.guarded()}
+
+    def _guard(self, request: dict) -> dict:
+        """`up` names the device before swapon: polite signals are refused while it is swap."""
+        device = request.get("device")
+        if not isinstance(device, str) or not device.startswith("/dev/"):
+            raise ValueError('"device" must be a /dev path')
+        if self.guard is None:
+            raise ValueError("this server was started without a signal guard")
+        self.guard.arm(device)
+        return {"device": device}
+
+    def _shutdown(self, request: dict) -> dict:
+        """The regular stop, sent by `down` after swapoff; refused while swap is on."""
+        if self.guard is None:
+            raise ValueError("this server was started without a signal guard: stop it with SIGTERM")
+        if self.guard.guarded():
+            raise ValueError(f"{self.guard.device} is still swap: swapoff first (agentzip-blk down)")
+        _say("agentzip: shutdown requested over the control socket")
+        self.guard.stop()
+        return {"pid": os.getpid()}
+
+    def _slots(self, request: dict) -> dict:
+        """Per-slot sizes for `stats --cgroup`: request {"slots": [n, ...]}. A request line is
+        at most control.MAX_LINE (64 KiB, ~9000 slot numbers); cgstats splits larger sets."""
+        slots = request.get("slots")
+        if not isinstance(slots, list) or len(slots) > 1 << 20 or not all(
+            isinstance(n, int) and not isinstance(n, bool) for n in slots
+        ):
+            raise ValueError('"slots" must be a list of at most 1048576 integers')
+        return {"page_size": self.store.page_size, **self.store.slot_sizes(slots)}
+
+    def _defrag(self, request: dict) -> dict:
+        before = self.store.pool.allocated_bytes
+        moved = self.store.compact()
+        return {"pages_moved": moved, "pool_bytes_before": before,
+                "pool_bytes_after": self.store.pool.allocated_bytes}
+
+    def _reclaim(self, request: dict) -> dict:
+        """Run one maintenance round now (demotion above the threshold, compaction)."""
+        return self.store.maintain()
+
+    def _stats(self, request: dict) -> dict:
+        stats = self.store.stats()
+        stats["latency"] = self.latency.snapshot()
+        stats["server"] = {
+            "pid": os.getpid(),
+            "rss_bytes": procfs.process_rss(os.getpid()),
+            "locked_bytes": procfs.process_locked(os.getpid()),
+            "uptime_s": round(time.time() - self.started, 1),
+            "memory_locked": self.protection.memory_locked is None,
+            "oom_score_lowered": self.protection.oom_score is None,
+            "io_flusher": self.protection.io_flusher is None,
+            "parent_death_signal_cleared": self.protection.parent_death_signal is None,
+            "guarded_device": self.guard.device if self.guard else None,
+            "signals_refused": dict(self.guard.refused) if self.guard else {},
+            "maintenance_rounds": self.maintainer.rounds if self.maintainer else 0,
+            "maintenance_error": self.maintainer.last_error if self.maintainer else None,
+        }
+        return stats
+
+
+def _say(message: str) -> None:
+    """One line in the server's log (nbdkit's stderr is RUN/nbdkit.log)."""
+    print(message, file=sys.stderr, flush=True)

@@ -1,0 +1,236 @@
+"""`up` and `down`: the chain (`chain`) attached as swap, and detached again.
+
+``up`` starts the server in its own session, attaches the device (kernel nbd +
+``nbd-client -swap`` when /dev/nbd0 exists, else nbdfuse + ``losetup --direct-io=on``),
+runs ``mkswap`` and ``swapon --discard=pages -p PRIO``; a failure midway rolls back what was
+done. ``down`` stops the tuner and restores the cgroups it touched (swapoff charges pages
+back to their cgroups), then tears the chain down (`chain.teardown`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import stat
+import time
+from typing import Iterator
+
+from .. import procfs
+from ..config.quantities import format_bytes
+from ..errors import DeviceError, SetupError
+from . import facts
+from .chain import check_up_preconditions, liveness, teardown, up_steps, write_effective_config
+from .health import health
+from .procs import STOPPED_STATES, ours_alive, wait_gone
+from .runstate import (DEFAULT_PRIORITY, STATE_FILE, RunState, config_device, locked,
+                       resolve_run_dir)
+from .servercmd import default_plugin_path, is_python_plugin
+
+
+# swapoff needs the swapped bytes back in RAM; keep this much on top of them
+SWAPOFF_MARGIN_MIN = 128 * 1024 * 1024
+
+
+SWAPOFF_MARGIN_FRACTION = 0.05  # of MemTotal
+
+
+class AlreadyAttached(SetupError):
+    """``up`` while a device from this run directory is attached and alive."""
+
+
+class NotAttached(SetupError):
+    """``down``/``stats`` without a device attached in this run directory."""
+
+
+class SwapoffRefused(DeviceError):
+    """swapoff would need more memory than is available."""
+
+
+def swapoff_fits(used: int, mem: dict[str, int]) -> tuple[bool, int, int]:
+    """Whether swapping ``used`` bytes back in fits: (ok, available, needed incl. margin)."""
+    avail = mem.get("MemAvailable", mem.get("MemFree", 0))
+    margin = max(SWAPOFF_MARGIN_MIN, int(mem.get("MemTotal", 0) * SWAPOFF_MARGIN_FRACTION))
+    needed = used + margin
+    return (used == 0 or avail >= needed), avail, needed
+
+
+def up(config=None, config_path: str | None = None, run_dir: str | None = None,
+       priority: int | None = None, size: int | None = None, *, plugin: str | None = None,
+       allow_zswap: bool = False, tools: dict | None = None, kernel_nbd: bool | None = None,
+       timeout: float = 30.0, mlock: bool = True,
+       fail_after: str | None = None) -> RunState:
+    """Start the server and attach it as swap. Returns the saved RunState.
+
+    ``plugin``: path of a Python plugin (default nbdkit/agentzip_plugin.py) or an nbdkit
+    plugin name such as ``memory`` (tests). ``tools`` overrides tool names/paths.
+    ``kernel_nbd`` forces the attach mode (default: kernel nbd when /dev/nbd0 exists).
+    ``mlock``: pass ``--swap`` so nbdkit mlockall()s itself (see docs: costs nbdkit's whole
+    192 MiB .bss plus every thread stack in RAM; a plugin that calls
+    mlockall(MCL_CURRENT|MCL_FUTURE|MCL_ONFAULT) itself can run with ``mlock=False``).
+    ``fail_after`` (tests) raises right after the named step to exercise the rollback.
+    """
+    facts.require_root("agentzip-blk up")
+    tools = dict(tools or {})
+    cfg_size, cfg_prio, _ = config_device(config)
+    run_dir = resolve_run_dir(config, run_dir)
+    size = int(size if size is not None else (cfg_size or 0))
+    if size <= 0:
+        raise SetupError("device size unknown: set device.size in the config or pass --size")
+    if size % 4096:
+        raise SetupError(f"device size {size} is not a multiple of 4096")
+    priority = int(priority if priority is not None else
+                   (cfg_prio if cfg_prio is not None else DEFAULT_PRIORITY))
+    if not -1 <= priority <= 32767:
+        raise SetupError(f"swap priority {priority} out of range (-1..32767)")
+    if kernel_nbd is None:
+        kernel_nbd = facts.nbd_kernel_available()
+    plugin = plugin or default_plugin_path()
+    check_up_preconditions(allow_zswap=allow_zswap, plugin=plugin, tools=tools,
+                           kernel_nbd=kernel_nbd)
+    nbd_socket = os.path.join(run_dir, "nbd.sock")
+    if len(nbd_socket.encode()) > 100:
+        raise SetupError(f"run directory path too long for a unix socket: {run_dir}")
+
+    with locked(run_dir):
+        old = RunState.load(run_dir)
+        if old is not None:
+            live = liveness(old)
+            if any(live.values()):
+                what = ", ".join(k for k, v in live.items() if v)
+                raise AlreadyAttached(f"a device is already attached from {run_dir} "
+                                      f"({what} alive): run `agentzip-blk down` first")
+            # stale state: nothing alive; clear leftovers (sockets, state file)
+            teardown(old, timeout)
+        for name in ("nbd.sock", "control.sock", "nbdkit.pid", "nbdfuse.pid"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(run_dir, name))
+
+        control = os.path.join(run_dir, "control.sock") if is_python_plugin(plugin) else None
+        if config is not None:
+            # The server must run on exactly the config the caller validated (which may not
+            # be a file at all): hand it over as a file in the run directory.
+            config_path = write_effective_config(config, run_dir)
+        state = RunState(run_dir=run_dir, plugin=plugin, nbd_socket=nbd_socket,
+                         control_socket=control,
+                         config_path=os.path.abspath(config_path) if config_path else None,
+                         size=size, swap_priority=priority,
+                         mode="nbd" if kernel_nbd else "fuse", tools=tools, mlock=mlock,
+                         rotational=bool(config is not None and config.device.rotational))
+        state.save()
+        try:
+            up_steps(state, timeout, fail_after)
+        except BaseException as exc:
+            try:
+                teardown(state, timeout)
+            except Exception as rb:  # keep the state so that `down` can finish the job
+                raise DeviceError(f"{exc}; rollback failed too: {rb} (state kept in "
+                                  f"{state.path}; fix and run `agentzip-blk down`)") from exc
+            raise
+        return state
+
+
+def down(run_dir: str | None = None, force: bool = False, *, config=None,
+         timeout: float = 30.0) -> dict:
+    """Detach and stop. Refuses swapoff when MemAvailable cannot take back our swapped
+    bytes (plus a margin) unless ``force``. Returns a summary dict."""
+    run_dir = resolve_run_dir(config, run_dir)
+    facts.require_root("agentzip-blk down")
+    with locked(run_dir):
+        state = RunState.load(run_dir)
+        if state is None:
+            _release_cgroups(run_dir)  # a tuner may have run without a device
+            raise NotAttached(f"no device attached from {run_dir} (no {STATE_FILE})")
+        area = procfs.swap_area(state.device)
+        used = area.used if area else 0
+        given_up = False
+        if area is not None and not force:
+            ok, avail, needed = swapoff_fits(used, procfs.meminfo())
+            if not ok:
+                raise SwapoffRefused(
+                    f"swapoff would bring {format_bytes(used)} back into RAM but only {format_bytes(avail)} is "
+                    f"available (need {format_bytes(needed)} with margin): free memory first, or "
+                    f"`agentzip-blk down --force`")
+            h = health(state)
+            if not h["ok"]:
+                raise DeviceError("the swap server is not healthy, so swapoff could wait for "
+                                  "ever or lose pages: " + "; ".join(h["problems"]) +
+                                  "; `agentzip-blk down --force` gives up what it cannot read")
+        t0 = time.monotonic()
+        cgroups = _release_cgroups(run_dir)
+        if force and (area is not None or liveness(state)["nbdkit"]):
+            given_up = _unwedge(state)
+        teardown(state, timeout, swapoff_timeout=max(timeout, 120.0) if given_up else None)
+        _remove_tier_file(state)
+        return {"run_dir": run_dir, "device": state.device, "swapped_in": used,
+                "seconds": round(time.monotonic() - t0, 3), "cgroups": cgroups,
+                "server_lost": given_up}
+
+
+def _unwedge(state: RunState) -> bool:
+    """`down --force` on a chain that does not answer. A stopped process may only be paused:
+    SIGCONT and ask again. Otherwise kill what is left of the chain, so that every pending
+    and later read fails at once (a FUSE connection aborts when its daemon is gone), and
+    swapoff ends instead of waiting for ever: the kernel marks the pages it cannot read
+    as poisoned, and whoever touches one gets SIGBUS. True when the chain was given up."""
+    chain = [(state.nbdkit_pid, state.tool("nbdkit"), state.nbd_socket),
+             (state.nbdfuse_pid, state.tool("nbdfuse"), state.fuse_file)]
+    if health(state)["ok"]:
+        return False
+    resumed = False
+    for pid, exe, must in chain:
+        if ours_alive(pid, exe, must) and procfs.process_state(pid) in STOPPED_STATES:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+                resumed = True
+    if resumed and health(state)["ok"]:
+        return False
+    for pid, exe, must in chain:
+        if ours_alive(pid, exe, must):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            wait_gone(pid, 10.0)
+    return True
+
+
+def _remove_tier_file(state: RunState) -> None:
+    """A server that was killed leaves its disk tier behind: compressed pages of every
+    sandbox. Only a regular file at the configured path is removed (never a link)."""
+    if not state.config_path:
+        return
+    try:
+        from .config import load_config
+        path = load_config(state.config_path).pool.swap_out_path
+    except Exception:
+        return
+    if not path:
+        return
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return
+    if stat.S_ISREG(st.st_mode):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _release_cgroups(run_dir: str) -> str:
+    """Stop the tuner and put back every cgroup setting it recorded (cgroups.ledger.Ledger), before
+    swapoff: pages coming back must not meet the tuner's squeezed limits."""
+    from .cgroups.ledger import release_all
+    from .cgroups.tuner.daemon import stop_daemon
+
+    stop_daemon(run_dir)
+    report = release_all(run_dir)
+    return report.summary() if (report.restored or report.gone or report.failed) else ""
+
+
+@contextlib.contextmanager
+def attached(config=None, run_dir: str | None = None, **kwargs) -> Iterator[RunState]:
+    """``with attached(cfg, run_dir, priority=..., plugin=...) as state:`` -- up, then a
+    guaranteed teardown (forced swapoff) on exit, even on errors or KeyboardInterrupt."""
+    state = up(config, run_dir=run_dir, **kwargs)
+    try:
+        yield state
+    finally:
+        down(state.run_dir, force=True, timeout=kwargs.get("timeout", 30.0))

@@ -1,0 +1,430 @@
+"""The attach chain, step by step: nbdkit (the server) -> kernel nbd, or nbdfuse + a loop
+device with direct I/O -> mkswap + swapon; and its teardown in the safe order (swapoff,
+``losetup -d`` / ``nbd-client -d``, ``fusermount3 -u``, stop the server). Nothing here stops
+the server while /proc/swaps lists our device.
+
+The server locks its own memory (the plugin calls mlockall(MCL_ONFAULT); nbdkit's ``--swap``
+would fault in its whole .bss and every thread stack, see servercmd); nbdfuse cannot, so a
+small preload library built here locks it (_MLOCK_SHIM_C).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+from .. import procfs
+from ..datapath import control
+from ..errors import DeviceError, SetupError
+from . import facts, procs
+from .procs import STOPPED_STATES, ours_alive, run_tool, spawn, stop_process, wait_gone, wait_ready
+from .runstate import STATE_FILE, TOOLS, RunState
+from .servercmd import default_plugin_path, is_python_plugin, plugin_env, server_command
+
+
+SWAP_LABEL = "agentzip"
+
+
+# nbdfuse has no mlock option, and mlockall() does not survive execve(). A page of nbdfuse
+# swapped out onto the very device it serves deadlocks the swap-in. This preload library
+# locks nbdfuse from its first instruction (ONFAULT: only pages it touches, so thread stacks
+# and malloc arenas stay small) and marks it an I/O flusher where permitted. It also refuses
+# SIGTERM, SIGINT, SIGHUP and SIGPIPE with a line in nbdfuse's log: libfuse installs its
+# exit-on-signal handlers only over SIG_DFL (lib/fuse_signals.c), so ours stay, and nbdfuse
+# ends only when `down` unmounts the file (or by SIGKILL). Built with cc into the run
+# directory at `up`; without a compiler nbdfuse runs unprotected and `status` warns.
+_MLOCK_SHIM_C = r"""
+#include <signal.h>
+#include <string.h>
+#include <unistd.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#ifndef MCL_ONFAULT
+#define MCL_ONFAULT 4
+#endif
+#ifndef PR_SET_IO_FLUSHER
+#define PR_SET_IO_FLUSHER 57
+#endif
+static void agentzip_refuse(int sig)
+{
+    static const char msg[] = "agentzip: nbdfuse refused a signal (TERM/INT/HUP/PIPE): "
+                              "`agentzip-blk down` unmounts and stops it\n";
+    (void) sig;
+    (void) !write(2, msg, sizeof msg - 1);
+}
+__attribute__((constructor)) static void agentzip_lock_memory(void)
+{
+    static const int sigs[] = {SIGTERM, SIGINT, SIGHUP, SIGPIPE};
+    struct sigaction sa;
+    unsigned i;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = agentzip_refuse;
+    sa.sa_flags = SA_RESTART;
+    sigemptyset(&sa.sa_mask);
+    for (i = 0; i < sizeof sigs / sizeof sigs[0]; i++)
+        (void) sigaction(sigs[i], &sa, 0);
+    (void) mlockall(MCL_CURRENT | MCL_FUTURE | MCL_ONFAULT);
+    (void) prctl(PR_SET_IO_FLUSHER, 1, 0, 0, 0);
+}
+"""
+
+
+def resolve_tool(name: str, tools: dict) -> str:
+    t = tools.get(name) or TOOLS[name]
+    return facts.which(t) or t
+
+
+def is_mounted(path: str | None) -> bool:
+    if not path:
+        return False
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) > 4 and procfs.unescape(parts[4]) == real:
+                    return True
+    except OSError:
+        pass
+    return False
+
+
+def loop_name(dev: str | None) -> str | None:
+    return os.path.basename(dev) if dev else None
+
+
+def loop_backing(dev: str | None) -> str | None:
+    """Backing file of a loop device, or None when the loop device is not set up."""
+    name = loop_name(dev)
+    if not name:
+        return None
+    try:
+        with open(f"/sys/block/{name}/loop/backing_file", encoding="utf-8",
+                  errors="surrogateescape") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _loop_flag(dev: str | None, attribute: str) -> bool | None:
+    """A 0/1 attribute of the loop device in sysfs (e.g. loop/dio); None when unknown."""
+    name = loop_name(dev)
+    if not name:
+        return None
+    try:
+        with open(f"/sys/block/{name}/{attribute}", encoding="ascii") as f:
+            return f.read().strip() == "1"
+    except OSError:
+        return None
+
+
+def loop_dio(dev: str | None) -> bool | None:
+    return _loop_flag(dev, "loop/dio")
+
+
+def loop_rotational(dev: str | None) -> bool | None:
+    return _loop_flag(dev, "queue/rotational")
+
+
+def _mark_rotational(dev: str) -> bool:
+    """Flag the loop device rotational (`device.rotational`), before swapon, which reads the
+    flag once: swap-in then reads ahead 2^vm.page-cluster neighbouring slots per request
+    instead of following one process's address space. Every request through the chain costs
+    ~300 us whatever its size, so on a sequential re-read fewer larger reads win (demo: 12k
+    reads of ~19.5 KiB instead of 37k of ~6.4 KiB, swap-in ~2x). Off by default: the
+    neighbours belong to any sandbox and are charged to their cgroups, and a tools/load.py
+    run with it ended in memory-cgroup OOM kills (BENCHMARKS.md; not yet pinned on it).
+    Best effort: a read-only sysfs only costs speed."""
+    try:
+        with open(f"/sys/block/{loop_name(dev)}/queue/rotational", "w", encoding="ascii") as f:
+            f.write("1")
+    except OSError:
+        return False
+    return loop_rotational(dev) is True
+
+
+def loop_is_ours(state: RunState) -> bool:
+    backing = loop_backing(state.loop_device)
+    if backing is None or not state.fuse_file:
+        return False
+    backing = backing.removesuffix(" (deleted)")
+    return os.path.realpath(backing) == os.path.realpath(state.fuse_file) or \
+        backing == state.fuse_file
+
+
+def _build_mlock_shim(run_dir: str) -> str | None:
+    """Compile the mlockall preload library into ``run_dir``; None without a C compiler."""
+    cc = facts.which("cc") or facts.which("gcc")
+    if cc is None:
+        return None
+    src = os.path.join(run_dir, "agentzip-mlock.c")
+    lib = os.path.join(run_dir, "agentzip-mlock.so")
+    with open(src, "w", encoding="ascii") as f:
+        f.write(_MLOCK_SHIM_C)
+    try:
+        run_tool([cc, "-O2", "-shared", "-fPIC", "-o", lib, src], timeout=60, what="cc (mlock shim)")
+    except DeviceError:
+        return None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(src)
+    return lib
+
+
+def _free_nbd_device() -> str:
+    i = 0
+    while os.path.exists(f"/dev/nbd{i}"):
+        if not os.path.exists(f"/sys/block/nbd{i}/pid"):
+            return f"/dev/nbd{i}"
+        i += 1
+    raise DeviceError("no free /dev/nbdN device (all connected): disconnect one or "
+                      "modprobe nbd nbds_max=N")
+
+
+def liveness(state: RunState) -> dict:
+    """What of ``state`` still runs. A leftover loop device or dead FUSE mount alone is
+    stale (``up`` cleans it); a live process or an active swap area is not."""
+    return {
+        "nbdkit": ours_alive(state.nbdkit_pid, state.tool("nbdkit"), state.nbd_socket),
+        "nbdfuse": ours_alive(state.nbdfuse_pid, state.tool("nbdfuse"), state.fuse_file),
+        "swap": procfs.swap_area(state.device) is not None,
+    }
+
+
+def stop_server(state: RunState, timeout: float) -> None:
+    """The shutdown verb (refused by the server while swap points at it); when the control
+    socket does not answer, SIGTERM, which the server honours once no swap area is ours,
+    and SIGKILL after ``timeout``."""
+    pid = state.nbdkit_pid
+    if not ours_alive(pid, state.tool("nbdkit"), state.nbd_socket):
+        return
+    if state.control_socket and procfs.process_state(pid) not in STOPPED_STATES:
+        try:
+            control.request(state.control_socket, "shutdown", timeout=min(timeout, 5.0))
+        except control.ControlError:
+            pass
+        else:
+            if wait_gone(pid, timeout):
+                return
+    stop_process(pid, state.tool("nbdkit"), state.nbd_socket, timeout, "nbdkit")
+
+
+def teardown(state: RunState, timeout: float = 30.0,
+              swapoff_timeout: float | None = None) -> None:
+    """Undo whatever ``state`` records, in the safe order. Raises on the first failure
+    that makes continuing unsafe (swap still on, loop still attached). swapoff brings every
+    page back in, which can take long: by default it may take an hour."""
+    errors: list[str] = []
+
+    # 1. swapoff
+    if procfs.swap_area(state.device) is not None:
+        run_tool([resolve_tool("swapoff", state.tools), state.device],
+             timeout=swapoff_timeout or max(timeout, 3600.0), what=f"swapoff {state.device}")
+        if procfs.swap_area(state.device) is not None:
+            raise DeviceError(f"{state.device} is still in /proc/swaps after swapoff")
+    state.swap_on = False
+    with contextlib.suppress(OSError):
+        state.save()
+
+    # 2. detach the block device
+    if state.mode == "nbd" and state.nbd_device:
+        if os.path.exists(f"/sys/block/{os.path.basename(state.nbd_device)}/pid"):
+            run_tool([resolve_tool("nbd-client", state.tools), "-d", state.nbd_device],
+                 timeout=timeout, what=f"nbd-client -d {state.nbd_device}")
+        state.nbd_device = None
+    if state.loop_device:
+        if loop_is_ours(state):
+            run_tool([resolve_tool("losetup", state.tools), "-d", state.loop_device],
+                 timeout=timeout, what=f"losetup -d {state.loop_device}")
+            deadline = time.monotonic() + timeout
+            while loop_is_ours(state):
+                if time.monotonic() > deadline:
+                    raise DeviceError(f"{state.loop_device} still attached after losetup -d")
+                time.sleep(0.05)
+        state.loop_device = None
+    with contextlib.suppress(OSError):
+        state.save()
+
+    # 3. unmount the FUSE file; nbdfuse exits on unmount
+    if is_mounted(state.mountpoint):
+        try:
+            run_tool([resolve_tool("fusermount3", state.tools), "-u", state.mountpoint],
+                 timeout=timeout, what=f"fusermount3 -u {state.mountpoint}")
+        except DeviceError as e:
+            # a dead nbdfuse leaves a "transport endpoint not connected" mount: lazy unmount
+            try:
+                run_tool([resolve_tool("fusermount3", state.tools), "-u", "-z", state.mountpoint],
+                     timeout=timeout, what=f"fusermount3 -u -z {state.mountpoint}")
+            except DeviceError:
+                errors.append(str(e))
+    if state.nbdfuse_pid:
+        if not wait_gone(state.nbdfuse_pid, 10.0):
+            stop_process(state.nbdfuse_pid, state.tool("nbdfuse"), state.fuse_file, 10.0,
+                          "nbdfuse")
+        state.nbdfuse_pid = None
+    if state.mountpoint and not is_mounted(state.mountpoint):
+        with contextlib.suppress(OSError):
+            os.rmdir(state.mountpoint)
+    with contextlib.suppress(OSError):
+        state.save()
+
+    # 4. stop nbdkit -- never while a swap area still points at our device
+    if state.nbdkit_pid:
+        if procfs.swap_area(state.device) is not None:
+            raise DeviceError(f"refusing to stop nbdkit: {state.device} is still in /proc/swaps")
+        if loop_is_ours(state):
+            raise DeviceError(f"refusing to stop nbdkit: {state.loop_device} is still attached")
+        stop_server(state, timeout)
+        state.nbdkit_pid = None
+
+    if errors:
+        with contextlib.suppress(OSError):
+            state.save()
+        raise DeviceError("; ".join(errors))
+
+    for name in (STATE_FILE, "nbdkit.pid", "nbdfuse.pid", "agentzip-mlock.so"):
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(state.run_dir, name))
+    for sock in (state.nbd_socket, state.control_socket):
+        if sock and os.path.dirname(os.path.abspath(sock)) == state.run_dir:
+            with contextlib.suppress(OSError):
+                os.unlink(sock)
+
+
+def required_tools(kernel_nbd: bool | None = None, tools: dict | None = None) -> list[str]:
+    tools = {**TOOLS, **(tools or {})}
+    if kernel_nbd is None:
+        kernel_nbd = facts.nbd_kernel_available()
+    names = ["nbdkit", "mkswap", "swapon", "swapoff"]
+    names += ["nbd-client"] if kernel_nbd else ["nbdfuse", "fusermount3", "losetup"]
+    return [tools[n] for n in names]
+
+
+def check_up_preconditions(*, allow_zswap: bool = False, plugin: str | None = None,
+                           tools: dict | None = None, kernel_nbd: bool | None = None) -> None:
+    """Raise SetupError when ``up`` cannot work here (non-root, missing tools, zswap)."""
+    facts.require_root("agentzip-blk up")
+    facts.require_tools(required_tools(kernel_nbd, tools))
+    if plugin is None or is_python_plugin(plugin):
+        facts.require_nbdkit_plugin("python", (tools or {}).get("nbdkit", TOOLS["nbdkit"]))
+        path = plugin or default_plugin_path()
+        if not os.path.isfile(path):
+            raise SetupError(f"nbdkit plugin {path} not found: reinstall agentzip-blk "
+                             f"(pip install -e .) or set AGENTZIP_PLUGIN")
+    if facts.zswap_enabled() and not allow_zswap:
+        raise SetupError("zswap is enabled and would compress pages before they reach the "
+                         f"device (double compression): {facts.ZSWAP_DISABLE_HINT}, "
+                         "or pass --allow-zswap")
+
+
+def write_effective_config(config, run_dir: str) -> str:
+    import yaml
+
+    path = os.path.join(run_dir, "config.yaml")
+    with open(path, "w") as f:
+        f.write("# the config this server was started with (written by agentzip-blk up)\n")
+        yaml.safe_dump(config.to_dict(), f, sort_keys=False)
+    return path
+
+
+def server_request(state: RunState, cmd: str, timeout: float, **args) -> dict:
+    try:
+        return control.request(state.control_socket, cmd, timeout=timeout, **args)
+    except control.ControlError as exc:
+        raise DeviceError(f"nbdkit control {cmd}: {exc}; log {state.run_dir}/nbdkit.log") from None
+
+
+def inject(step: str, fail_after: str | None) -> None:
+    if fail_after == step:
+        raise DeviceError(f"injected failure after {step}")
+
+
+def up_steps(state: RunState, timeout: float, fail_after: str | None) -> None:
+    run_dir, tools = state.run_dir, state.tools
+    # 1. nbdkit, detached in its own session, memory locked
+    nbdkit = resolve_tool("nbdkit", tools)
+    pidfile = os.path.join(run_dir, "nbdkit.pid")
+    argv = server_command(state.plugin, state.nbd_socket, state.control_socket, pidfile,
+                          state.config_path, state.size, foreground=True, nbdkit=nbdkit,
+                          mlock=state.mlock)
+    log = os.path.join(run_dir, "nbdkit.log")
+    proc = spawn(argv, log, env=plugin_env())
+    state.nbdkit_pid = proc.pid
+    state.save()
+    ready = [state.nbd_socket] + ([state.control_socket] if state.control_socket else [])
+    wait_ready(proc, pidfile, ready, timeout, "nbdkit", log)
+    if state.control_socket:
+        server_request(state, "health", timeout)  # serving, not only listening
+    # best effort: needs CAP_SYS_RESOURCE (missing in some containers)
+    state.oom_protected = procs.set_oom_score_adj(proc.pid, -1000)
+    state.save()
+    inject("nbdkit", fail_after)
+
+    # 2. block device
+    if state.mode == "nbd":
+        dev = _free_nbd_device()
+        state.nbd_device = dev
+        state.save()
+        run_tool([resolve_tool("nbd-client", tools), "-unix", state.nbd_socket, dev,
+              "-block-size", "4096", "-swap"], timeout=timeout, what=f"nbd-client {dev}")
+        state.device = dev
+        state.save()
+    else:
+        mnt = os.path.join(run_dir, "mnt")
+        os.makedirs(mnt, mode=0o700, exist_ok=True)
+        if is_mounted(mnt):
+            raise DeviceError(f"{mnt} is already a mount point: fusermount3 -u {mnt}")
+        state.mountpoint = mnt
+        state.fuse_file = os.path.join(mnt, "nbd")
+        fuse_pidfile = os.path.join(run_dir, "nbdfuse.pid")
+        flog = os.path.join(run_dir, "nbdfuse.log")
+        fenv = None
+        shim = _build_mlock_shim(run_dir) if state.mlock else None
+        if shim:
+            fenv = dict(os.environ)
+            fenv["LD_PRELOAD"] = (shim + " " + fenv["LD_PRELOAD"]).strip() \
+                if fenv.get("LD_PRELOAD") else shim
+        fproc = spawn([resolve_tool("nbdfuse", tools), "-P", fuse_pidfile, state.fuse_file,
+                        "--unix", state.nbd_socket], flog, env=fenv)
+        state.nbdfuse_pid = fproc.pid
+        state.save()
+        wait_ready(fproc, fuse_pidfile, [], timeout, "nbdfuse", flog)
+        state.oom_protected = procs.set_oom_score_adj(fproc.pid, -1000) and state.oom_protected
+        state.nbdfuse_locked = procfs.process_locked(fproc.pid) > 0
+        state.save()
+        st = os.stat(state.fuse_file)
+        if st.st_size != state.size:
+            raise DeviceError(f"{state.fuse_file} has size {st.st_size}, expected {state.size}")
+        inject("nbdfuse", fail_after)
+
+        out = run_tool([resolve_tool("losetup", tools), "--direct-io=on", "--show", "-f",
+                    state.fuse_file], timeout=timeout, what="losetup")
+        loop = out.strip().splitlines()[-1].strip() if out.strip() else ""
+        if not loop.startswith("/dev/loop"):
+            raise DeviceError(f"losetup printed no loop device: {out!r}")
+        state.loop_device = state.device = loop
+        state.save()
+        if loop_dio(loop) is not True:
+            raise DeviceError(f"direct I/O is off on {loop} (/sys/block/{loop_name(loop)}/"
+                              "loop/dio): without it every swapped page also stays in the "
+                              "page cache and no memory is saved")
+        if state.rotational:
+            _mark_rotational(loop)
+        inject("losetup", fail_after)
+
+    # 3. mkswap + swapon, the server told first which device it must not die under
+    run_tool([resolve_tool("mkswap", tools), "-L", SWAP_LABEL, state.device], timeout=timeout,
+         what=f"mkswap {state.device}")
+    state.mkswap_done = True
+    state.save()
+    inject("mkswap", fail_after)
+    if state.control_socket:
+        server_request(state, "guard", timeout, device=state.device)
+    run_tool([resolve_tool("swapon", tools), "--discard=pages", "-p", str(state.swap_priority),
+          state.device], timeout=timeout, what=f"swapon {state.device}")
+    if procfs.swap_area(state.device) is None:
+        raise DeviceError(f"swapon succeeded but {state.device} is not in /proc/swaps")
+    state.swap_on = True
+    state.save()
+    inject("swapon", fail_after)

@@ -1,0 +1,136 @@
+"""The run directory and what it records: RunState (pids, sockets, mountpoint, loop device),
+so that `status` and `down` work from any shell::
+
+    RUN/state.json      RunState
+    RUN/nbd.sock        nbdkit's NBD unix socket
+    RUN/control.sock    the plugin's JSON control socket
+    RUN/nbdkit.{pid,log}, RUN/nbdfuse.{pid,log}
+    RUN/mnt/nbd         the nbdfuse file that backs the loop device
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import Iterator
+
+from ..errors import DeviceError, SetupError
+
+
+DEFAULT_RUN_DIR = "/run/agentzip"
+
+
+DEFAULT_PRIORITY = 100
+
+
+STATE_FILE = "state.json"
+
+
+# Tool names (or absolute paths); ``up``/``down`` take a ``tools`` dict that overrides these.
+TOOLS: dict[str, str] = {
+    "nbdkit": "nbdkit",
+    "nbdfuse": "nbdfuse",
+    "fusermount3": "fusermount3",
+    "losetup": "losetup",
+    "mkswap": "mkswap",
+    "swapon": "swapon",
+    "swapoff": "swapoff",
+    "nbd-client": "nbd-client",
+}
+
+
+@dataclass
+class RunState:
+    run_dir: str
+    plugin: str
+    nbd_socket: str
+    control_socket: str | None = None
+    config_path: str | None = None
+    size: int = 0
+    swap_priority: int = DEFAULT_PRIORITY
+    mode: str = "fuse"              # "fuse" (nbdfuse + loop) or "nbd" (kernel nbd)
+    nbdkit_pid: int | None = None
+    nbdfuse_pid: int | None = None
+    mountpoint: str | None = None
+    fuse_file: str | None = None
+    loop_device: str | None = None
+    nbd_device: str | None = None
+    device: str | None = None       # the block device used as swap
+    mkswap_done: bool = False
+    swap_on: bool = False
+    started: float = field(default_factory=time.time)
+    tools: dict = field(default_factory=dict)
+    mlock: bool = True              # nbdkit --swap
+    oom_protected: bool = False     # oom_score_adj -1000 set on nbdkit (and nbdfuse)
+    nbdfuse_locked: bool = False    # nbdfuse runs with the mlockall preload shim
+    rotational: bool = False        # device.rotational: flag the loop device before swapon
+
+    # -- persistence ---------------------------------------------------------------
+    @property
+    def path(self) -> str:
+        return os.path.join(self.run_dir, STATE_FILE)
+
+    def save(self) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(asdict(self), f, indent=1, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, self.path)
+
+    @classmethod
+    def load(cls, run_dir: str) -> "RunState | None":
+        path = os.path.join(run_dir, STATE_FILE)
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            raise DeviceError(f"cannot read {path}: {e}; remove it if nothing is attached") from None
+        known = {f.name for f in fields(cls)}
+        data = {k: v for k, v in data.items() if k in known}
+        data["run_dir"] = run_dir
+        return cls(**data)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def tool(self, name: str) -> str:
+        return self.tools.get(name) or TOOLS[name]
+
+
+def load_state(run_dir: str) -> RunState | None:
+    return RunState.load(run_dir)
+
+
+@contextlib.contextmanager
+def locked(run_dir: str) -> Iterator[None]:
+    """Serialise up/down on one run directory."""
+    os.makedirs(run_dir, mode=0o700, exist_ok=True)
+    fd = os.open(os.path.join(run_dir, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SetupError(f"another agentzip-blk up/down is running on {run_dir}: "
+                             f"wait for it to finish") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def config_device(config) -> tuple[int | None, int | None, str | None]:
+    dev = getattr(config, "device", None) if config is not None else None
+    return (getattr(dev, "size", None), getattr(dev, "swap_priority", None),
+            getattr(dev, "run_dir", None))
+
+
+def resolve_run_dir(config=None, run_dir: str | None = None) -> str:
+    if run_dir:
+        return os.path.abspath(run_dir)
+    _, _, cfg_dir = config_device(config)
+    return os.path.abspath(cfg_dir or DEFAULT_RUN_DIR)
