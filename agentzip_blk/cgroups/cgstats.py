@@ -170,7 +170,7 @@ class CgroupSwap:
 
 def query_slots(control_path: str, slots: np.ndarray) -> dict[str, np.ndarray]:
     """The ``slots`` verb over the control socket, in requests small enough for it."""
-    from .. import control
+    from ..datapath import control
 
     kinds, stored, tiers = [], [], []
     i, n = 0, len(slots)
@@ -224,7 +224,7 @@ def collect(backend, globs: list[str], control_path: str, device: str,
             stats_fn: Callable[[], dict] | None = None) -> dict:
     """Rows for every cgroup matching one of *globs* (each with its descendants), a total
     over their union, and the device's own figures for comparison."""
-    from .. import control
+    from ..datapath import control
     from .scopes import match
 
     swap_type = our_swap_type(device, swaps_path)

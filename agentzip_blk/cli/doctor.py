@@ -22,7 +22,8 @@ def cmd_doctor(args) -> int:
     else:
         config_error = None
     run_dir = run_dir_of(args, config) if config is not None else (args.run_dir or "/run/agentzip")
-    checks = doctor.diagnose(doctor.gather(run_dir, config, root=args.cgroup_root or "/"))
+    checks = doctor.diagnose(doctor.gather(run_dir, config, root=args.cgroup_root or "/",
+                                          config_path=args.config))
     if config_error:
         checks.append(doctor.Check("config", doctor.FAIL, config_error, "fix the named key"))
     if args.json:

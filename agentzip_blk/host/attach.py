@@ -62,12 +62,13 @@ def up(config=None, config_path: str | None = None, run_dir: str | None = None,
        fail_after: str | None = None) -> RunState:
     """Start the server and attach it as swap. Returns the saved RunState.
 
-    ``plugin``: path of a Python plugin (default nbdkit/agentzip_plugin.py) or an nbdkit
-    plugin name such as ``memory`` (tests). ``tools`` overrides tool names/paths.
+    ``plugin``: path of a Python plugin (default: the package's datapath/nbdkit_plugin.py) or
+    an nbdkit plugin name such as ``memory`` (tests). ``tools`` overrides tool names/paths.
     ``kernel_nbd`` forces the attach mode (default: kernel nbd when /dev/nbd0 exists).
-    ``mlock``: pass ``--swap`` so nbdkit mlockall()s itself (see docs: costs nbdkit's whole
-    192 MiB .bss plus every thread stack in RAM; a plugin that calls
-    mlockall(MCL_CURRENT|MCL_FUTURE|MCL_ONFAULT) itself can run with ``mlock=False``).
+    ``mlock``: lock the chain's memory. Our plugin locks the server itself
+    (mlockall(MCL_CURRENT|MCL_FUTURE|MCL_ONFAULT), whatever ``mlock`` says); ``mlock`` adds
+    the preload library that locks nbdfuse, and ``--swap`` for a named nbdkit plugin (which
+    costs nbdkit's whole 192 MiB .bss plus every thread stack in RAM: servercmd).
     ``fail_after`` (tests) raises right after the named step to exercise the rollback.
     """
     facts.require_root("agentzip-blk up")
@@ -199,7 +200,7 @@ def _remove_tier_file(state: RunState) -> None:
     if not state.config_path:
         return
     try:
-        from .config import load_config
+        from ..config import load_config
         path = load_config(state.config_path).pool.swap_out_path
     except Exception:
         return
@@ -217,8 +218,8 @@ def _remove_tier_file(state: RunState) -> None:
 def _release_cgroups(run_dir: str) -> str:
     """Stop the tuner and put back every cgroup setting it recorded (cgroups.ledger.Ledger), before
     swapoff: pages coming back must not meet the tuner's squeezed limits."""
-    from .cgroups.ledger import release_all
-    from .cgroups.tuner.daemon import stop_daemon
+    from ..cgroups.ledger import release_all
+    from ..cgroups.tuner.daemon import stop_daemon
 
     stop_daemon(run_dir)
     report = release_all(run_dir)

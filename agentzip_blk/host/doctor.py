@@ -13,6 +13,7 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from .. import procfs
+from ..config import old_key_names
 from . import facts
 from .procs import pid_alive
 
@@ -52,6 +53,7 @@ class Facts:
     server_locked: bool | None = None  # mlockall done in the server
     server_locked_bytes: int = 0
     nbdfuse_locked: bool | None = None
+    old_config_keys: list[tuple[str, str]] = field(default_factory=list)  # (old, new) names
     scopes_enabled: list[str] = field(default_factory=list)
     scoped_cgroups: list[str] = field(default_factory=list)
     scoped_with_server: list[str] = field(default_factory=list)
@@ -70,7 +72,9 @@ def _under(root: str, path: str) -> str:
     return path if root in ("", "/") else os.path.join(root, path.lstrip("/"))
 
 
-def gather(run_dir: str, config=None, root: str = "/") -> Facts:
+def gather(run_dir: str, config=None, root: str = "/", config_path: str | None = None) -> Facts:
+    """The facts of this host; `config_path` is the file `config` came from (None: the
+    default path), read again for keys spelled the old way."""
     from ..cgroups.backends import open_backend
     from ..cgroups.fs import CgroupError
     from ..cgroups.scopes import scoped_cgroups
@@ -131,6 +135,7 @@ def gather(run_dir: str, config=None, root: str = "/") -> Facts:
             f.server_locked_bytes = procfs.process_locked(state.nbdkit_pid)
             f.server_locked = f.server_locked_bytes > 0
     if config is not None:
+        f.old_config_keys = old_key_names(config_path)
         f.scopes_enabled = [s.cgroup for s in config.scopes if s.enabled]
         if backend is not None:
             f.scoped_cgroups = scoped_cgroups(backend.walk(), config.scopes)
@@ -337,6 +342,12 @@ def diagnose(f: Facts) -> list[Check]:
                   ") but excludes anon pages: it never swaps"))
     else:
         add(Check("host reclaim", PASS, "no machine-wide proactive reclaim (DAMON) pages out anon memory"))
+
+    # config keys spelled the old way: accepted, but say so
+    if f.old_config_keys:
+        add(Check("config keys", WARN, "; ".join(f"{old} is the old name of {new}"
+                                                for old, new in f.old_config_keys),
+                  "rename " + ", ".join(f"{old} to {new}" for old, new in f.old_config_keys)))
 
     # scopes
     if not f.scopes_enabled:

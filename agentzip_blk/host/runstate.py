@@ -64,7 +64,7 @@ class RunState:
     swap_on: bool = False
     started: float = field(default_factory=time.time)
     tools: dict = field(default_factory=dict)
-    mlock: bool = True              # nbdkit --swap
+    mlock: bool = True              # lock nbdfuse (preload shim); --swap for a named plugin
     oom_protected: bool = False     # oom_score_adj -1000 set on nbdkit (and nbdfuse)
     nbdfuse_locked: bool = False    # nbdfuse runs with the mlockall preload shim
     rotational: bool = False        # device.rotational: flag the loop device before swapon

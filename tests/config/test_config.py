@@ -501,3 +501,19 @@ def test_load_unreadable(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="cannot read config file") as info:
         load_config(str(path))
     assert str(path) in str(info.value) and "Permission denied" in str(info.value)
+
+
+# --- frame_pages and its old name ---------------------------------------------------------------
+
+def test_unit_pages_is_the_old_name_of_frame_pages(tmp_path):
+    assert parse_config({"compression": {"unit_pages": 4}}).compression.frame_pages == 4
+    assert parse_config({"compression": {"frame_pages": 4}}).compression.frame_pages == 4
+    message = error_for({"compression": {"unit_pages": 4, "frame_pages": 8}})
+    assert message.startswith("compression.unit_pages: ") and "frame_pages" in message
+    from agentzip_blk.config import old_key_names
+    old = tmp_path / "old.yaml"
+    old.write_text("compression:\n  unit_pages: 8\n")
+    new = tmp_path / "new.yaml"
+    new.write_text("compression:\n  frame_pages: 8\n")
+    assert old_key_names(old) == [("compression.unit_pages", "compression.frame_pages")]
+    assert old_key_names(new) == [] and old_key_names(tmp_path / "absent.yaml") == []

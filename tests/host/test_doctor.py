@@ -149,3 +149,21 @@ def test_damon_pageout_detection(tmp_path):
     (tmp_path / "module/damon_reclaim/parameters").mkdir(parents=True)
     (tmp_path / "module/damon_reclaim/parameters/enabled").write_text("Y\n")
     assert doctor.damon_pageout(str(tmp_path))[0][0].startswith("DAMON_RECLAIM")
+
+
+def test_an_old_config_key_is_flagged_with_its_new_name():
+    c = by_name(diagnose(healthy(old_config_keys=[("compression.unit_pages",
+                                                   "compression.frame_pages")])))["config keys"]
+    assert c.status == WARN and "compression.unit_pages" in c.detail
+    assert "compression.frame_pages" in c.fix
+    assert "config keys" not in by_name(diagnose(healthy()))  # nothing to say otherwise
+
+
+def test_gather_reads_the_old_names_from_the_file(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text("compression:\n  unit_pages: 4\n")
+    from agentzip_blk.config import load_config
+    config = load_config(path)
+    assert config.compression.frame_pages == 4  # the alias is accepted
+    f = doctor.gather(str(tmp_path / "run"), config, config_path=str(path))
+    assert f.old_config_keys == [("compression.unit_pages", "compression.frame_pages")]
