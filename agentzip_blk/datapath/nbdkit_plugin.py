@@ -100,18 +100,19 @@ def can_multi_conn(h):
     return True  # every connection sees the one store; flush has nothing to order
 
 
-def pread(h, buf, offset, flags):
+def _request(method, *args):
     try:
-        _server.pread(buf, offset)
+        method(*args)
     except Exception as exc:
         _fail(exc)
+
+
+def pread(h, buf, offset, flags):
+    _request(_server.pread, buf, offset)
 
 
 def pwrite(h, buf, offset, flags):
-    try:
-        _server.pwrite(buf, offset)
-    except Exception as exc:
-        _fail(exc)
+    _request(_server.pwrite, buf, offset)
 
 
 def flush(h, flags):
@@ -119,14 +120,8 @@ def flush(h, flags):
 
 
 def trim(h, count, offset, flags):
-    try:
-        _server.trim(offset, count)
-    except Exception as exc:
-        _fail(exc)
+    _request(_server.trim, offset, count)
 
 
 def zero(h, count, offset, flags):
-    try:
-        _server.zero(offset, count)
-    except Exception as exc:
-        _fail(exc)
+    _request(_server.zero, offset, count)

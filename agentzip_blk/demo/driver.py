@@ -247,104 +247,11 @@ def _run_squeeze(swap_kind, mb, *, seed, config, config_path, run_dir, limit_fra
         res["cgroup"] = {"path": cg.path, "version": cg.version}
         prog.phase(f"start agent workload: {mb:g} MiB of JSON transcripts (seed {seed}) in {cg.path}")
         t = time.monotonic()
-        wl = Workload(cg, mb, seed, python)
-        est = mb * MiB
-        ready = wl.expect("READY", timeout,
-                          tick=lambda: prog.bar(cg.usage() / est, f"building, cgroup usage {fmt(cg.usage())}"))
-        res["workload_rss"] = int(ready[1])
-        res["build_seconds"] = time.monotonic() - t
-        wl.send("CHECK")
-        check = wl.expect("CHECK", timeout)
-        res["checksum"] = check[2]
-        res["verify_baseline_seconds"] = float(check[3]) + float(check[4] if len(check) > 4 else 0)
-        if check[1] != "ok":
-            raise DemoError("workload CHECK failed before any squeeze")
-        prog.phase(f"workload READY: rss {fmt(res['workload_rss'])}, built in {res['build_seconds']:.1f}s, "
-                   f"checksum pass {res['verify_baseline_seconds']:.2f}s")
-
-        time.sleep(settle)
-        before = snapshot(backend, cg)
-        res["before"] = before
-        target = int(res["workload_rss"] * limit_fraction)
-        prog.phase(f"squeeze: limit {fmt(before['cg_usage'])} -> {fmt(target)} "
-                   f"({limit_fraction:.0%} of rss) in {steps} steps")
-        sq = squeeze(cg, target, steps, prog, wl)
-        res["squeeze"] = sq
-        time.sleep(settle)  # let writeback finish before reading the device's counters
-        after = snapshot(backend, cg)
-        res["after"] = after
-        res["swap_out_seconds"] = sq["seconds"]
-        res["swapped_cgroup"] = after["cg_swap"] - before["cg_swap"]
-        res["swapped_proc_swaps"] = after["swap_used"] - before["swap_used"]
-        res["swapped_pswpout"] = (after["pswpout"] - before["pswpout"]) * os.sysconf("SC_PAGE_SIZE")
-        res["swap_out_mib_s"] = _mib_s(res["swapped_pswpout"], sq["seconds"])
-        prog.phase(f"squeeze done in {sq['seconds']:.2f}s: {fmt(res['swapped_pswpout'])} swapped out "
-                   f"({res['swap_out_mib_s'] or 0:.0f} MiB/s), cgroup usage {fmt(after['cg_usage'])}, "
-                   f"EBUSY {sq['ebusy']}")
-        if sq["error"]:
-            raise DemoError(f"squeeze failed: {sq['error']}")
-
-        cg.set_limit(None, max_limit=None) if cg.version == 2 else cg.set_limit(None)
-        lifted = snapshot(backend, cg)
-        prog.phase("limit lifted; TOUCH: the workload reads all of its data back")
-        t = time.monotonic()
-        wl.send("TOUCH")
-        v = wl.expect("VERIFY", timeout,
-                      tick=lambda: prog.bar(1 - cg.swap_usage() / max(after["cg_swap"], 1),
-                                            f"cgroup usage {fmt(cg.usage())}"))
-        res["swap_in_wall_seconds"] = time.monotonic() - t
-        touched = snapshot(backend, cg)
-        res["touched"] = touched
-        res["verify"] = v[1]
-        res["swapped_in_pswpin"] = (touched["pswpin"] - lifted["pswpin"]) * os.sysconf("SC_PAGE_SIZE")
-        if v[1] == "ok" and len(v) >= 6:
-            # the workload read one byte of every anonymous page first, timed on its own:
-            # that is the swap-in; the checksum pass after it ran on resident data
-            res["swap_in_seconds"] = max(float(v[4]), 1e-6)
-            res["touched_pages"] = int(v[5])
-            res["verify_seconds"] = float(v[3])
-        # cross-check: TOUCH-to-VERIFY wall time minus the same pass timed before the squeeze
-        res["swap_in_wall_net_seconds"] = res["swap_in_wall_seconds"] - res["verify_baseline_seconds"]
-        res.setdefault("swap_in_seconds", max(res["swap_in_wall_net_seconds"], 1e-3))
-        res["swap_in_mib_s"] = _mib_s(res["swapped_in_pswpin"], res["swap_in_seconds"])
-        try:
-            wl.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-        res["workload_status"] = wl.proc.returncode
-        prog.phase(f"VERIFY {v[1]} in {res['swap_in_wall_seconds']:.2f}s: {fmt(res['swapped_in_pswpin'])} "
-                   f"swapped in by the page walk in {res['swap_in_seconds']:.2f}s "
-                   f"({res['swap_in_mib_s'] or 0:.0f} MiB/s)")
-
-        dev_b, dev_a = before["device"], after["device"]
-        res["orig_mem"] = dev_a.get("orig_mem", 0)
-        res["stored_mem"] = dev_a.get("stored_mem", 0)
-        res["stored_mem_empty"] = dev_b.get("stored_mem", 0)
-        res["ratio"] = res["orig_mem"] / res["stored_mem"] if res["stored_mem"] else None
-        res["mem_free_gain"] = after["mem_free"] - before["mem_free"]
-        res["mem_free_raw_gain"] = after["mem_free_raw"] - before["mem_free_raw"]
-        res["mem_available_gain"] = after["mem_available"] - before["mem_available"]
-        res["server_rss_before"] = before["server_rss"]
-        res["server_rss_after"] = after["server_rss"]
-        res["server_rss_growth"] = after["server_rss"] - before["server_rss"]
-        potential = res["orig_mem"] - res["stored_mem"]
-        res["device_saving"] = potential
-        res["saving_fraction"] = res["mem_free_gain"] / potential if potential > 0 else None
-        # MemFree is host-wide: other processes allocating or freeing meanwhile move it too.
-        # Their share = change of all user memory minus ours (cgroup) and the server's.
-        cg_drop = before["cg_usage"] - after["cg_usage"]
-        others = (after["user_mem"] - before["user_mem"]) + cg_drop - res["server_rss_growth"]
-        res["others_delta"] = others
-        res["mem_free_gain_adjusted"] = res["mem_free_gain"] + others
-        res["saving_fraction_adjusted"] = (res["mem_free_gain_adjusted"] / potential
-                                           if potential > 0 else None)
-        # bookkeeping view: what left the cgroup minus what now holds it
-        kernel_stored = (res["stored_mem"] - res["stored_mem_empty"]) if backend.stored_in_kernel else 0
-        res["accounted_gain"] = cg_drop - res["server_rss_growth"] - kernel_stored
-        res["saving_fraction_accounted"] = res["accounted_gain"] / potential if potential > 0 else None
-        if potential > 0 and abs(others) > 0.1 * potential:
-            prog.phase(f"note: other processes changed host memory by {fmt(others)} meanwhile; "
-                       f"MemFree gain adjusted for them: {fmt(res['mem_free_gain_adjusted'])}")
+        wl = Workload(cg, mb, seed, python)  # assigned at once: the teardown stops it
+        _wait_ready(res, prog, cg, wl, mb, timeout, t)
+        before, after = _swap_out(res, prog, backend, cg, wl, limit_fraction, steps, settle)
+        v = _swap_in(res, prog, backend, cg, wl, after, timeout)
+        _account(res, prog, backend, before, after)
         res["ok"] = v[1] == "ok" and res["workload_status"] == 0
         if not res["ok"]:
             res["error"] = f"VERIFY {v[1]}, workload status {res['workload_status']}"
@@ -353,25 +260,147 @@ def _run_squeeze(swap_kind, mb, *, seed, config, config_path, run_dir, limit_fra
     except Exception as e:  # device setup errors, cgroup errors, I/O: reported after teardown
         res["error"] = f"{type(e).__name__}: {e}"
     finally:
-        prog.phase("teardown: stop workload, remove cgroup, swapoff, detach")
-        try:
-            if wl is not None:
-                if wl.alive():
-                    res.setdefault("workload_stderr", wl.stderr_tail())
-                wl.stop()
-        finally:
-            try:
-                if cg is not None:
-                    try:
-                        cg.set_limit(None, max_limit=None) if cg.version == 2 else cg.set_limit(None)
-                    except (CgroupError, OSError):
-                        pass
-                    res["oom_kills"] = _safe(cg.oom_kills, 0)
-                    cg.remove()
-            finally:
-                backend.detach()  # swapoff, then reset / detach; safe after a failed attach
+        _teardown(res, prog, backend, cg, wl)
         res["swaps_after_teardown"] = proc_swaps()
     return res
+
+
+def _wait_ready(res: dict, prog: Progress, cg: MemoryCgroup, wl: Workload, mb: float,
+                timeout: float, started: float) -> None:
+    """Wait for the workload's READY (built since `started`) and time one checksum pass."""
+    t = started
+    est = mb * MiB
+    ready = wl.expect("READY", timeout,
+                      tick=lambda: prog.bar(cg.usage() / est, f"building, cgroup usage {fmt(cg.usage())}"))
+    res["workload_rss"] = int(ready[1])
+    res["build_seconds"] = time.monotonic() - t
+    wl.send("CHECK")
+    check = wl.expect("CHECK", timeout)
+    res["checksum"] = check[2]
+    res["verify_baseline_seconds"] = float(check[3]) + float(check[4] if len(check) > 4 else 0)
+    if check[1] != "ok":
+        raise DemoError("workload CHECK failed before any squeeze")
+    prog.phase(f"workload READY: rss {fmt(res['workload_rss'])}, built in {res['build_seconds']:.1f}s, "
+               f"checksum pass {res['verify_baseline_seconds']:.2f}s")
+
+
+def _swap_out(res: dict, prog: Progress, backend: SwapBackend, cg: MemoryCgroup, wl: Workload,
+              limit_fraction: float, steps: int, settle: float) -> tuple[dict, dict]:
+    """Squeeze the idle workload to `limit_fraction` of its RSS; snapshots before and after."""
+    time.sleep(settle)
+    before = snapshot(backend, cg)
+    res["before"] = before
+    target = int(res["workload_rss"] * limit_fraction)
+    prog.phase(f"squeeze: limit {fmt(before['cg_usage'])} -> {fmt(target)} "
+               f"({limit_fraction:.0%} of rss) in {steps} steps")
+    sq = squeeze(cg, target, steps, prog, wl)
+    res["squeeze"] = sq
+    time.sleep(settle)  # let writeback finish before reading the device's counters
+    after = snapshot(backend, cg)
+    res["after"] = after
+    res["swap_out_seconds"] = sq["seconds"]
+    res["swapped_cgroup"] = after["cg_swap"] - before["cg_swap"]
+    res["swapped_proc_swaps"] = after["swap_used"] - before["swap_used"]
+    res["swapped_pswpout"] = (after["pswpout"] - before["pswpout"]) * os.sysconf("SC_PAGE_SIZE")
+    res["swap_out_mib_s"] = _mib_s(res["swapped_pswpout"], sq["seconds"])
+    prog.phase(f"squeeze done in {sq['seconds']:.2f}s: {fmt(res['swapped_pswpout'])} swapped out "
+               f"({res['swap_out_mib_s'] or 0:.0f} MiB/s), cgroup usage {fmt(after['cg_usage'])}, "
+               f"EBUSY {sq['ebusy']}")
+    if sq["error"]:
+        raise DemoError(f"squeeze failed: {sq['error']}")
+    return before, after
+
+
+def _swap_in(res: dict, prog: Progress, backend: SwapBackend, cg: MemoryCgroup, wl: Workload,
+             after: dict, timeout: float) -> list[str]:
+    """Lift the limit and have the workload read everything back (TOUCH -> VERIFY)."""
+    cg.set_limit(None, max_limit=None) if cg.version == 2 else cg.set_limit(None)
+    lifted = snapshot(backend, cg)
+    prog.phase("limit lifted; TOUCH: the workload reads all of its data back")
+    t = time.monotonic()
+    wl.send("TOUCH")
+    v = wl.expect("VERIFY", timeout,
+                  tick=lambda: prog.bar(1 - cg.swap_usage() / max(after["cg_swap"], 1),
+                                        f"cgroup usage {fmt(cg.usage())}"))
+    res["swap_in_wall_seconds"] = time.monotonic() - t
+    touched = snapshot(backend, cg)
+    res["touched"] = touched
+    res["verify"] = v[1]
+    res["swapped_in_pswpin"] = (touched["pswpin"] - lifted["pswpin"]) * os.sysconf("SC_PAGE_SIZE")
+    if v[1] == "ok" and len(v) >= 6:
+        # the workload read one byte of every anonymous page first, timed on its own:
+        # that is the swap-in; the checksum pass after it ran on resident data
+        res["swap_in_seconds"] = max(float(v[4]), 1e-6)
+        res["touched_pages"] = int(v[5])
+        res["verify_seconds"] = float(v[3])
+    # cross-check: TOUCH-to-VERIFY wall time minus the same pass timed before the squeeze
+    res["swap_in_wall_net_seconds"] = res["swap_in_wall_seconds"] - res["verify_baseline_seconds"]
+    res.setdefault("swap_in_seconds", max(res["swap_in_wall_net_seconds"], 1e-3))
+    res["swap_in_mib_s"] = _mib_s(res["swapped_in_pswpin"], res["swap_in_seconds"])
+    try:
+        wl.proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+    res["workload_status"] = wl.proc.returncode
+    prog.phase(f"VERIFY {v[1]} in {res['swap_in_wall_seconds']:.2f}s: {fmt(res['swapped_in_pswpin'])} "
+               f"swapped in by the page walk in {res['swap_in_seconds']:.2f}s "
+               f"({res['swap_in_mib_s'] or 0:.0f} MiB/s)")
+    return v
+
+
+def _account(res: dict, prog: Progress, backend: SwapBackend, before: dict, after: dict) -> None:
+    """What the host got back: the device's ratio, MemFree, the server's RSS, others' share."""
+    dev_b, dev_a = before["device"], after["device"]
+    res["orig_mem"] = dev_a.get("orig_mem", 0)
+    res["stored_mem"] = dev_a.get("stored_mem", 0)
+    res["stored_mem_empty"] = dev_b.get("stored_mem", 0)
+    res["ratio"] = res["orig_mem"] / res["stored_mem"] if res["stored_mem"] else None
+    res["mem_free_gain"] = after["mem_free"] - before["mem_free"]
+    res["mem_free_raw_gain"] = after["mem_free_raw"] - before["mem_free_raw"]
+    res["mem_available_gain"] = after["mem_available"] - before["mem_available"]
+    res["server_rss_before"] = before["server_rss"]
+    res["server_rss_after"] = after["server_rss"]
+    res["server_rss_growth"] = after["server_rss"] - before["server_rss"]
+    potential = res["orig_mem"] - res["stored_mem"]
+    res["device_saving"] = potential
+    res["saving_fraction"] = res["mem_free_gain"] / potential if potential > 0 else None
+    # MemFree is host-wide: other processes allocating or freeing meanwhile move it too.
+    # Their share = change of all user memory minus ours (cgroup) and the server's.
+    cg_drop = before["cg_usage"] - after["cg_usage"]
+    others = (after["user_mem"] - before["user_mem"]) + cg_drop - res["server_rss_growth"]
+    res["others_delta"] = others
+    res["mem_free_gain_adjusted"] = res["mem_free_gain"] + others
+    res["saving_fraction_adjusted"] = (res["mem_free_gain_adjusted"] / potential
+                                       if potential > 0 else None)
+    # bookkeeping view: what left the cgroup minus what now holds it
+    kernel_stored = (res["stored_mem"] - res["stored_mem_empty"]) if backend.stored_in_kernel else 0
+    res["accounted_gain"] = cg_drop - res["server_rss_growth"] - kernel_stored
+    res["saving_fraction_accounted"] = res["accounted_gain"] / potential if potential > 0 else None
+    if potential > 0 and abs(others) > 0.1 * potential:
+        prog.phase(f"note: other processes changed host memory by {fmt(others)} meanwhile; "
+                   f"MemFree gain adjusted for them: {fmt(res['mem_free_gain_adjusted'])}")
+
+
+def _teardown(res: dict, prog: Progress, backend: SwapBackend, cg: MemoryCgroup | None,
+              wl: Workload | None) -> None:
+    """Stop the workload, remove the cgroup, swapoff and detach, each even if one before failed."""
+    prog.phase("teardown: stop workload, remove cgroup, swapoff, detach")
+    try:
+        if wl is not None:
+            if wl.alive():
+                res.setdefault("workload_stderr", wl.stderr_tail())
+            wl.stop()
+    finally:
+        try:
+            if cg is not None:
+                try:
+                    cg.set_limit(None, max_limit=None) if cg.version == 2 else cg.set_limit(None)
+                except (CgroupError, OSError):
+                    pass
+                res["oom_kills"] = _safe(cg.oom_kills, 0)
+                cg.remove()
+        finally:
+            backend.detach()  # swapoff, then reset / detach; safe after a failed attach
 
 
 def _safe(fn, default):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 from .. import procfs
@@ -200,51 +201,57 @@ def damon_pageout(sysfs: str = "/sys") -> tuple[list[str], list[str]]:
 
 
 def diagnose(f: Facts) -> list[Check]:
-    out: list[Check] = []
-    add = out.append
+    """Every rule on the facts, in the order of the report."""
+    return [check for rule in RULES for check in rule(f)]
 
-    # kernel
+
+def _kernel(f: Facts) -> Iterator[Check]:
+    """The kernel's features the tuner and the device use."""
     k = _kernel_tuple(f.kernel)
     if k >= (6, 12):
-        add(Check("kernel", PASS, f"Linux {f.kernel}: PSI, memory.reclaim, zero pages kept out of swap"))
+        yield Check("kernel", PASS, f"Linux {f.kernel}: PSI, memory.reclaim, zero pages kept out of swap")
     elif k >= (5, 19):
-        add(Check("kernel", PASS, f"Linux {f.kernel}: PSI and memory.reclaim (zero pages still "
-                                  "go to the device; it stores them in 0 bytes)"))
+        yield Check("kernel", PASS, f"Linux {f.kernel}: PSI and memory.reclaim (zero pages still "
+                                    "go to the device; it stores them in 0 bytes)")
     elif k >= (4, 20):
-        add(Check("kernel", WARN, f"Linux {f.kernel}: no memory.reclaim; the tuner pulses "
-                                  "memory.high instead (the workload may stall in reclaim)",
-                  "use Linux 5.19 or newer"))
+        yield Check("kernel", WARN, f"Linux {f.kernel}: no memory.reclaim; the tuner pulses "
+                                    "memory.high instead (the workload may stall in reclaim)",
+                    "use Linux 5.19 or newer")
     else:
-        add(Check("kernel", WARN, f"Linux {f.kernel}: no PSI; the tuner estimates pressure from faults",
-                  "use Linux 5.19 or newer"))
+        yield Check("kernel", WARN, f"Linux {f.kernel}: no PSI; the tuner estimates pressure from faults",
+                    "use Linux 5.19 or newer")
 
-    # memory controller
+
+def _memory_cgroup(f: Facts) -> Iterator[Check]:
+    """The memory cgroup controller."""
     if f.controller is None:
-        add(Check("memory cgroup", FAIL, f.controller_error or "no memory controller found",
-                  "boot with cgroup_enable=memory (and mount cgroup v2)"))
+        yield Check("memory cgroup", FAIL, f.controller_error or "no memory controller found",
+                    "boot with cgroup_enable=memory (and mount cgroup v2)")
     elif f.controller == "v2":
         detail = f"cgroup v2 at {f.controller_mount}"
         if f.has_reclaim is False:
-            add(Check("memory cgroup", WARN, detail + "; no memory.reclaim", "use Linux 5.19 or newer"))
+            yield Check("memory cgroup", WARN, detail + "; no memory.reclaim", "use Linux 5.19 or newer")
         else:
-            add(Check("memory cgroup", PASS, detail + ": PSI per cgroup, memory.reclaim"))
+            yield Check("memory cgroup", PASS, detail + ": PSI per cgroup, memory.reclaim")
     else:
         hybrid = f.controller == "hybrid"
-        add(Check("memory cgroup", WARN,
-                  f"cgroup v1 memory controller at {f.controller_mount}"
-                  + (" (hybrid host: cgroup2 for the rest)" if hybrid else "")
-                  + ": no memory.reclaim (the tuner pulses memory.limit_in_bytes); PSI per cgroup "
-                  + ("only where a scoped cgroup is mirrored on the cgroup2 tree, else "
-                     if hybrid else "") + "estimated from refaults and major faults",
-                  "boot with systemd.unified_cgroup_hierarchy=1 (cgroup v2) for PSI-driven tuning"))
+        yield Check("memory cgroup", WARN,
+                    f"cgroup v1 memory controller at {f.controller_mount}"
+                    + (" (hybrid host: cgroup2 for the rest)" if hybrid else "")
+                    + ": no memory.reclaim (the tuner pulses memory.limit_in_bytes); PSI per cgroup "
+                    + ("only where a scoped cgroup is mirrored on the cgroup2 tree, else "
+                       if hybrid else "") + "estimated from refaults and major faults",
+                    "boot with systemd.unified_cgroup_hierarchy=1 (cgroup v2) for PSI-driven tuning")
         if not f.memsw:
-            add(Check("swap accounting", WARN, "no memory.memsw.* files: per-cgroup swap is not "
-                      "accounted and memory.stat has no swap figure",
-                      "boot with swapaccount=1"))
+            yield Check("swap accounting", WARN, "no memory.memsw.* files: per-cgroup swap is not "
+                        "accounted and memory.stat has no swap figure",
+                        "boot with swapaccount=1")
         else:
-            add(Check("swap accounting", PASS, "memory.memsw.* present: per-cgroup swap accounted"))
+            yield Check("swap accounting", PASS, "memory.memsw.* present: per-cgroup swap accounted")
 
-    # swap areas
+
+def _swap_areas(f: Facts) -> Iterator[Check]:
+    """The swap areas, ours and the others."""
     ours = next((a for a in f.swaps if f.device and
                  os.path.realpath(a["filename"]) == os.path.realpath(f.device)), None)
     others = [a for a in f.swaps if a is not ours]
@@ -252,118 +259,133 @@ def diagnose(f: Facts) -> list[Check]:
         msg = "device not attached"
         if others:
             msg += "; other swap: " + ", ".join(f"{a['filename']} (priority {a['priority']})" for a in others)
-        add(Check("swap areas", WARN, msg, "agentzip-blk up"))
+        yield Check("swap areas", WARN, msg, "agentzip-blk up")
     else:
         higher = [a for a in others if a["priority"] > ours["priority"]]
         equal = [a for a in others if a["priority"] == ours["priority"]]
         desc = f"{ours['filename']} priority {ours['priority']}"
         if higher:
-            add(Check("swap areas", FAIL, desc + "; higher priority, takes pages first: " +
-                      ", ".join(f"{a['filename']} ({a['priority']})" for a in higher),
-                      f"swapoff {higher[0]['filename']}, or agentzip-blk down && agentzip-blk up "
-                      f"--priority {max(a['priority'] for a in higher) + 1}"))
+            yield Check("swap areas", FAIL, desc + "; higher priority, takes pages first: " +
+                        ", ".join(f"{a['filename']} ({a['priority']})" for a in higher),
+                        f"swapoff {higher[0]['filename']}, or agentzip-blk down && agentzip-blk up "
+                        f"--priority {max(a['priority'] for a in higher) + 1}")
         elif equal:
-            add(Check("swap areas", WARN, desc + "; same priority, pages shared round-robin with " +
-                      ", ".join(a["filename"] for a in equal),
-                      f"swapoff {equal[0]['filename']} or give it a lower priority"))
+            yield Check("swap areas", WARN, desc + "; same priority, pages shared round-robin with " +
+                        ", ".join(a["filename"] for a in equal),
+                        f"swapoff {equal[0]['filename']} or give it a lower priority")
         else:
             rest = f"; others lower: {', '.join(a['filename'] for a in others)}" if others else ", the only swap"
-            add(Check("swap areas", PASS, desc + rest))
+            yield Check("swap areas", PASS, desc + rest)
 
-    # zswap
+
+def _zswap(f: Facts) -> Iterator[Check]:
+    """zswap, which would compress twice."""
     if f.zswap:
-        add(Check("zswap", FAIL, "enabled: it compresses pages before they reach the device "
-                  "(double compression, and the device sees only what zswap rejects)",
-                  f"{facts.ZSWAP_DISABLE_HINT} (permanently: zswap.enabled=0 on the kernel command line)"))
+        yield Check("zswap", FAIL, "enabled: it compresses pages before they reach the device "
+                    "(double compression, and the device sees only what zswap rejects)",
+                    f"{facts.ZSWAP_DISABLE_HINT} (permanently: zswap.enabled=0 on the kernel command line)")
     else:
-        add(Check("zswap", PASS, "off"))
+        yield Check("zswap", PASS, "off")
 
-    # attach path
+
+def _attach_path(f: Facts) -> Iterator[Check]:
+    """The attach path: nbd, or FUSE and a loop device with direct I/O."""
     if f.nbd_module:
-        add(Check("nbd module", PASS, "kernel nbd present: up attaches through nbd-client -swap"))
+        yield Check("nbd module", PASS, "kernel nbd present: up attaches through nbd-client -swap")
     else:
-        add(Check("nbd module", WARN, "not loaded: up attaches through nbdfuse + loop (more copies, "
-                  "slower swap-in)", "modprobe nbd && apt-get install nbd-client"))
+        yield Check("nbd module", WARN, "not loaded: up attaches through nbdfuse + loop (more copies, "
+                    "slower swap-in)", "modprobe nbd && apt-get install nbd-client")
     fuse_ok = f.fuse_dev and not f.fuse_tools
     if fuse_ok:
-        add(Check("fuse", PASS, "/dev/fuse, nbdfuse and fusermount3 present"))
+        yield Check("fuse", PASS, "/dev/fuse, nbdfuse and fusermount3 present")
     else:
         missing = ([] if f.fuse_dev else ["/dev/fuse"]) + f.fuse_tools
-        add(Check("fuse", WARN if f.nbd_module else FAIL, "missing: " + ", ".join(missing) +
-                  ("" if f.nbd_module else " (and no kernel nbd: nothing to attach with)"),
-                  "apt-get install fuse3 libnbd-bin; modprobe fuse"))
+        yield Check("fuse", WARN if f.nbd_module else FAIL, "missing: " + ", ".join(missing) +
+                    ("" if f.nbd_module else " (and no kernel nbd: nothing to attach with)"),
+                    "apt-get install fuse3 libnbd-bin; modprobe fuse")
     if f.mode == "fuse" and f.loop_device:
         if f.loop_dio:
-            add(Check("loop direct-io", PASS, f"{f.loop_device}: direct I/O on"))
+            yield Check("loop direct-io", PASS, f"{f.loop_device}: direct I/O on")
         else:
-            add(Check("loop direct-io", FAIL, f"{f.loop_device}: direct I/O OFF: every swapped page "
-                      "also stays in the page cache, nothing is saved",
-                      "agentzip-blk down && agentzip-blk up (up insists on --direct-io=on)"))
+            yield Check("loop direct-io", FAIL, f"{f.loop_device}: direct I/O OFF: every swapped page "
+                        "also stays in the page cache, nothing is saved",
+                        "agentzip-blk down && agentzip-blk up (up insists on --direct-io=on)")
     elif f.mode == "nbd":
-        add(Check("loop direct-io", PASS, "kernel nbd: no loop device in the path"))
+        yield Check("loop direct-io", PASS, "kernel nbd: no loop device in the path")
     elif not f.loop_control:
-        add(Check("loop direct-io", FAIL if not f.nbd_module else WARN, "no /dev/loop-control",
-                  "modprobe loop"))
+        yield Check("loop direct-io", FAIL if not f.nbd_module else WARN, "no /dev/loop-control",
+                    "modprobe loop")
     else:
-        add(Check("loop direct-io", PASS, "loop devices available; up attaches with --direct-io=on "
-                  "and verifies it"))
+        yield Check("loop direct-io", PASS, "loop devices available; up attaches with --direct-io=on "
+                    "and verifies it")
 
-    # server
+
+def _server(f: Facts) -> Iterator[Check]:
+    """The server: health and locked memory."""
     if f.health is not None:
         if f.health["ok"]:
-            add(Check("server health", PASS, "nbdkit answers health (store lock taken) and a 4 KiB "
-                      "read through the chain succeeded"))
+            yield Check("server health", PASS, "nbdkit answers health (store lock taken) and a 4 KiB "
+                        "read through the chain succeeded")
         else:
-            add(Check("server health", FAIL, "; ".join(f.health["problems"]),
-                      "`kill -CONT` a stopped server; a dead one has lost its pages: stop the "
-                      "workloads, then `agentzip-blk down --force` and `up`"))
+            yield Check("server health", FAIL, "; ".join(f.health["problems"]),
+                        "`kill -CONT` a stopped server; a dead one has lost its pages: stop the "
+                        "workloads, then `agentzip-blk down --force` and `up`")
     if not f.server_running:
-        add(Check("server memory", WARN, "server not running: nothing to check", "agentzip-blk up"))
+        yield Check("server memory", WARN, "server not running: nothing to check", "agentzip-blk up")
     elif f.server_locked:
         detail = f"nbdkit memory locked ({f.server_locked_bytes >> 20} MiB)"
         if f.nbdfuse_locked is False:
-            add(Check("server memory", WARN, detail + "; nbdfuse NOT locked: under pressure it can "
-                      "swap onto its own device and deadlock", "apt-get install gcc; down; up"))
+            yield Check("server memory", WARN, detail + "; nbdfuse NOT locked: under pressure it can "
+                        "swap onto its own device and deadlock", "apt-get install gcc; down; up")
         else:
-            add(Check("server memory", PASS, detail + (", nbdfuse locked" if f.nbdfuse_locked else "")))
+            yield Check("server memory", PASS, detail + (", nbdfuse locked" if f.nbdfuse_locked else ""))
     else:
-        add(Check("server memory", FAIL, "nbdkit memory NOT locked: a server page swapped onto its "
-                  "own device deadlocks the swap-in",
-                  "run up as root without --no-mlock; check `ulimit -l` (RLIMIT_MEMLOCK)"))
+        yield Check("server memory", FAIL, "nbdkit memory NOT locked: a server page swapped onto its "
+                    "own device deadlocks the swap-in",
+                    "run up as root without --no-mlock; check `ulimit -l` (RLIMIT_MEMLOCK)")
 
-    # other proactive reclaim on the host
+
+def _host_reclaim(f: Facts) -> Iterator[Check]:
+    """Other proactive reclaim on the host."""
     if f.damon_anon_pageout:
-        add(Check("host reclaim", WARN, "machine-wide DAMON pageout may swap anon pages of every "
-                  "cgroup, scoped or not, into the device: " + ", ".join(f.damon_anon_pageout),
-                  "add a DAMOS filter to the scheme (type anon, allow N), or limit it to the "
-                  "scoped cgroups with memcg filters"))
+        yield Check("host reclaim", WARN, "machine-wide DAMON pageout may swap anon pages of every "
+                    "cgroup, scoped or not, into the device: " + ", ".join(f.damon_anon_pageout),
+                    "add a DAMOS filter to the scheme (type anon, allow N), or limit it to the "
+                    "scoped cgroups with memcg filters")
     elif f.damon_file_only:
-        add(Check("host reclaim", PASS, "DAMON pageout runs (" + ", ".join(f.damon_file_only) +
-                  ") but excludes anon pages: it never swaps"))
+        yield Check("host reclaim", PASS, "DAMON pageout runs (" + ", ".join(f.damon_file_only) +
+                    ") but excludes anon pages: it never swaps")
     else:
-        add(Check("host reclaim", PASS, "no machine-wide proactive reclaim (DAMON) pages out anon memory"))
+        yield Check("host reclaim", PASS, "no machine-wide proactive reclaim (DAMON) pages out anon memory")
 
-    # config keys spelled the old way: accepted, but say so
+
+def _old_config_keys(f: Facts) -> Iterator[Check]:
+    """Config keys spelled the old way: accepted, but said."""
     if f.old_config_keys:
-        add(Check("config keys", WARN, "; ".join(f"{old} is the old name of {new}"
-                                                for old, new in f.old_config_keys),
-                  "rename " + ", ".join(f"{old} to {new}" for old, new in f.old_config_keys)))
+        yield Check("config keys", WARN, "; ".join(f"{old} is the old name of {new}"
+                                                  for old, new in f.old_config_keys),
+                    "rename " + ", ".join(f"{old} to {new}" for old, new in f.old_config_keys))
 
-    # scopes
+
+def _scopes(f: Facts) -> Iterator[Check]:
+    """The scopes and what they match."""
     if not f.scopes_enabled:
-        add(Check("scopes", WARN, "no enabled scope: the tuner touches no cgroup",
-                  "agentzip-blk scope add --cgroup 'agent-sandbox-*.slice'"))
+        yield Check("scopes", WARN, "no enabled scope: the tuner touches no cgroup",
+                    "agentzip-blk scope add --cgroup 'agent-sandbox-*.slice'")
     elif f.scoped_with_server:
-        add(Check("scopes", FAIL, "scoped cgroup(s) hold the swap server itself: " +
-                  ", ".join(f.scoped_with_server) + " (the tuner skips them)",
-                  "narrow the scope glob so that it excludes the server's cgroup"))
+        yield Check("scopes", FAIL, "scoped cgroup(s) hold the swap server itself: " +
+                    ", ".join(f.scoped_with_server) + " (the tuner skips them)",
+                    "narrow the scope glob so that it excludes the server's cgroup")
     elif not f.scoped_cgroups:
-        add(Check("scopes", WARN, f"enabled: {', '.join(f.scopes_enabled)}; no cgroup matches now",
-                  "check the globs against the cgroup tree (agentzip-blk scope list)"))
+        yield Check("scopes", WARN, f"enabled: {', '.join(f.scopes_enabled)}; no cgroup matches now",
+                    "check the globs against the cgroup tree (agentzip-blk scope list)")
     else:
         shown = ", ".join(f.scoped_cgroups[:5]) + (" ..." if len(f.scoped_cgroups) > 5 else "")
-        add(Check("scopes", PASS, f"{len(f.scoped_cgroups)} cgroup(s) in scope: {shown}"))
-    return out
+        yield Check("scopes", PASS, f"{len(f.scoped_cgroups)} cgroup(s) in scope: {shown}")
+
+
+RULES = (_kernel, _memory_cgroup, _swap_areas, _zswap, _attach_path, _server, _host_reclaim,
+         _old_config_keys, _scopes)
 
 
 def worst(checks: list[Check]) -> str:

@@ -26,7 +26,8 @@ import pytest
 
 from agentzip_blk import procfs
 from agentzip_blk import errors
-from agentzip_blk.host import attach, chain, facts, health, procs, runstate
+from agentzip_blk.host import attach, facts, health, procs, runstate
+from agentzip_blk.host.chain import teardown
 from agentzip_blk import cli
 from agentzip_blk.host.servercmd import default_plugin_path, nbdkit_command, plugin_env
 
@@ -550,7 +551,7 @@ def test_teardown_refuses_to_stop_server_under_swap(chain, run_dir, monkeypatch)
     state = runstate.RunState.load(run_dir)
     state.tools = {"swapoff": "/bin/true"}
     with pytest.raises(errors.DeviceError, match="still in /proc/swaps"):
-        chain.teardown(state)
+        teardown(state)
     assert procfs.swap_area(chain.device) is not None
     assert procs.pid_alive(chain.nbdkit_pid)
 
