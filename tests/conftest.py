@@ -6,8 +6,6 @@ import fcntl
 import os
 import sys
 
-import pytest
-
 
 # Swap areas are host-wide: two test runs that attach devices at the same time share them
 # (the kernel spreads every cgroup's pages over all areas of the top priority), so one run's

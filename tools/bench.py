@@ -51,9 +51,9 @@ for _p in (REPO, WORKLOADS_DIR, os.path.dirname(os.path.abspath(__file__))):
 import bench_report  # noqa: E402
 import pagewalk  # noqa: E402
 from agentzip_blk import procfs
-from agentzip_blk.host import facts
-from agentzip_blk.demo import backends, common, driver, workload  # noqa: E402
 from agentzip_blk.cgroups.fs import CgroupError, MemoryCgroup  # noqa: E402
+from agentzip_blk.demo import backends, common, driver, workload  # noqa: E402
+from agentzip_blk.host import facts
 
 MiB = 1 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -37,8 +37,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import numpy as np  # noqa: E402
-from agentzip_blk.host import attach
 from agentzip_blk.config import Config  # noqa: E402
+from agentzip_blk.host import attach
 from agentzip_blk.store import PageStore  # noqa: E402
 from benchmd import write_section  # noqa: E402
 

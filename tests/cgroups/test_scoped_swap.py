@@ -32,19 +32,17 @@ import time
 
 import pytest
 
-from agentzip_blk import procfs
-from agentzip_blk.host import attach, facts, procs
-from agentzip_blk import cli
-
-from agentzip_blk.datapath import control
+from agentzip_blk import cli, procfs
 from agentzip_blk.cgroups import cgstats, scopes
 from agentzip_blk.cgroups.backends import open_backend
 from agentzip_blk.cgroups.fs import CgroupError, MemoryCgroup, detect
-from agentzip_blk.config import load_config
-from agentzip_blk.demo.workload import Workload
 from agentzip_blk.cgroups.ledger import Ledger
-from agentzip_blk.cgroups.tuner.loop import Tuner
 from agentzip_blk.cgroups.tuner.controller import TunerSettings
+from agentzip_blk.cgroups.tuner.loop import Tuner
+from agentzip_blk.config import load_config
+from agentzip_blk.datapath import control
+from agentzip_blk.demo.workload import Workload
+from agentzip_blk.host import attach, facts, procs
 
 pytestmark = pytest.mark.swap
 

@@ -11,9 +11,9 @@ import pytest
 
 from agentzip_blk import cli
 from agentzip_blk.cgroups import ledger, scopes
-from agentzip_blk.config import ConfigError, Scope, load_config
 from agentzip_blk.cgroups.ledger import Ledger
 from agentzip_blk.cgroups.scopes import covered, match, scoped_cgroups
+from agentzip_blk.config import ConfigError, Scope, load_config
 from cgfake import fake_v2, r, w
 
 # --- matching ---------------------------------------------------------------------------------

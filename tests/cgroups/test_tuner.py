@@ -9,10 +9,10 @@ import re
 import pytest
 
 from agentzip_blk.cgroups.backends import Counters, open_backend
-from agentzip_blk.config import Scope, parse_config
 from agentzip_blk.cgroups.ledger import Ledger
 from agentzip_blk.cgroups.tuner.controller import Controller, PressureMeter, TunerSettings
 from agentzip_blk.cgroups.tuner.loop import Tuner
+from agentzip_blk.config import Scope, parse_config
 from cgfake import fake_v2, r, w
 
 MiB = 1 << 20

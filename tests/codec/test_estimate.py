@@ -15,8 +15,8 @@ import sys
 import pytest
 
 from agentzip_blk.cgroups import procmem
-from agentzip_blk.codec.estimate import ROLLOUT_MIN_RATIO, estimate_pages
 from agentzip_blk.cli.estimate import estimate_pids
+from agentzip_blk.codec.estimate import ROLLOUT_MIN_RATIO, estimate_pages
 from agentzip_blk.store import PageStore
 
 PAGE = 4096

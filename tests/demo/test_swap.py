@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 from agentzip_blk import procfs
-from agentzip_blk.host import attach, facts
-from agentzip_blk.demo import driver as demo
 from agentzip_blk.config import Config
+from agentzip_blk.demo import driver as demo
+from agentzip_blk.host import attach, facts
 
 MiB = 1 << 20
 

@@ -18,18 +18,17 @@ import time
 import pytest
 
 from agentzip_blk import procfs
-from agentzip_blk.host import attach
-from agentzip_blk.datapath import control
-
-from agentzip_blk.fleet import metrics
 from agentzip_blk.cgroups import cgstats, scopes
 from agentzip_blk.cgroups.backends import open_backend
 from agentzip_blk.cgroups.fs import MemoryCgroup, detect
-from agentzip_blk.config import load_config
-from agentzip_blk.demo.workload import Workload
 from agentzip_blk.cgroups.ledger import Ledger
-from agentzip_blk.cgroups.tuner.loop import Tuner
 from agentzip_blk.cgroups.tuner.controller import TunerSettings
+from agentzip_blk.cgroups.tuner.loop import Tuner
+from agentzip_blk.config import load_config
+from agentzip_blk.datapath import control
+from agentzip_blk.demo.workload import Workload
+from agentzip_blk.fleet import metrics
+from agentzip_blk.host import attach
 from fleet.test_metrics import exporter, scrape, stats_json
 from cgroups.test_scoped_swap import _skip_reason
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import yaml
 from agentzip_blk import procfs
-from agentzip_blk.host import facts, procs
 from agentzip_blk.cgroups.fs import LimitBusy, MemoryCgroup
 from agentzip_blk.demo.workload import Workload
+from agentzip_blk.host import facts, procs
 from demo.test_swap import leftovers
 
 MiB = 1 << 20

@@ -20,15 +20,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 
 import pytest
 
-from agentzip_blk import procfs
-from agentzip_blk import errors
+from agentzip_blk import cli, errors, procfs
 from agentzip_blk.host import attach, facts, health, procs, runstate
 from agentzip_blk.host.chain import teardown
-from agentzip_blk import cli
 from agentzip_blk.host.servercmd import default_plugin_path, nbdkit_command, plugin_env
 
 SIZE = 64 << 20

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 
-from agentzip_blk.host import facts
 from agentzip_blk import cli
-
 from agentzip_blk.host import doctor
-from agentzip_blk.host.doctor import FAIL, PASS, WARN, Facts, diagnose
+from agentzip_blk.host.doctor import Facts, FAIL, PASS, WARN, diagnose
 
 OURS = {"filename": "/dev/loop0", "type": "partition", "size": 1 << 30, "used": 0, "priority": 100}
 
@@ -81,8 +79,8 @@ def test_attach_path_and_server():
 def test_scopes():
     assert by_name(diagnose(healthy(scopes_enabled=[])))["scopes"].status == WARN
     assert by_name(diagnose(healthy(scoped_cgroups=[])))["scopes"].status == WARN
-    c = by_name(diagnose(healthy(scoped_with_server=["/facts.slice"])))["scopes"]
-    assert c.status == FAIL and "/facts.slice" in c.detail
+    c = by_name(diagnose(healthy(scoped_with_server=["/system.slice"])))["scopes"]
+    assert c.status == FAIL and "/system.slice" in c.detail
 
 
 def test_render_and_json():

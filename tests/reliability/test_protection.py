@@ -17,8 +17,7 @@ import pytest
 from . import support
 from .conftest import skip_reason
 from .support import PAGE, make_pages
-from agentzip_blk import procfs
-from agentzip_blk import errors
+from agentzip_blk import errors, procfs
 from agentzip_blk.host import attach, chain, procs, runstate
 
 pytestmark = pytest.mark.skipif(skip_reason("nbdkit") is not None,

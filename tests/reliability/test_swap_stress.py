@@ -16,9 +16,9 @@ import time
 
 import pytest
 from agentzip_blk import procfs
-from agentzip_blk.host import attach
 from agentzip_blk.cgroups.fs import MemoryCgroup
 from agentzip_blk.config import parse_config
+from agentzip_blk.host import attach
 
 from . import support
 from .conftest import skip_reason

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from agentzip_blk.errors import OutOfRange, StoreFull
-
 from agentzip_blk.store import PageStore
 
 PAGE = 4096

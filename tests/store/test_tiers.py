@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from agentzip_blk.errors import StoreFull
+from agentzip_blk.store import PageStore, Tiering
 from agentzip_blk.store.blobs import DISK, POOL
 from agentzip_blk.store.slots import BLOB
-from agentzip_blk.store import PageStore, Tiering
-from agentzip_blk.errors import StoreFull
 
 PAGE = 4096
 N_PAGES = 700  # ~750 KiB of cells: past a 50% threshold of a 1 MiB pool
