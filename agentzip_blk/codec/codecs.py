@@ -13,6 +13,10 @@ is split into pages compressed alone, when the output is over MAX_COMPRESSED byt
 
 from __future__ import annotations
 
+import os
+import threading
+from collections.abc import Callable
+
 import lz4.block
 import zstandard
 
@@ -173,6 +177,40 @@ class Lz4HcCodec(Lz4Codec):
 
     def memory_bytes(self) -> int:
         return _LZ4HC_STATE_BYTES
+
+
+class PooledCodec:
+    """One codec for many threads. A zstd context must not be used by two threads at once, so
+    each compress borrows a context of its own, made on first need: at most one per CPU plus
+    one (the store compresses frames outside its lock as well as under it). That also bounds
+    their memory and the parallel work to what the machine can run."""
+
+    def __init__(self, make: Callable[[], Codec], size: int | None = None) -> None:
+        first = make()
+        self.id, self.name, self.page_size = first.id, first.name, first.page_size
+        self._make = make
+        self._made = [first]
+        self._idle = [first]
+        self._lock = threading.Lock()
+        self._turns = threading.BoundedSemaphore(size or (os.cpu_count() or 1) + 1)
+
+    def compress(self, data) -> bytes:
+        with self._turns:
+            with self._lock:
+                codec = self._idle.pop() if self._idle else None
+            if codec is None:
+                codec = self._make()
+                with self._lock:
+                    self._made.append(codec)
+            try:
+                return codec.compress(data)
+            finally:
+                with self._lock:
+                    self._idle.append(codec)
+
+    def memory_bytes(self) -> int:
+        with self._lock:
+            return sum(codec.memory_bytes() for codec in self._made)
 
 
 def pays(length: int, pages: int = 1) -> bool:

@@ -6,14 +6,16 @@ callbacks) with ``time.perf_counter`` and calls ``observe``; the ``stats`` contr
 
 Why fixed buckets kept here (not in the exporter): latency is only visible inside the server,
 and a scrape every 15 s cannot sample it. Why so small: it runs on every request of a swap
-device, so it is one ``bisect`` over a tuple and two list increments, no lock (nbdkit runs the
-plugin with ``serialize_all_requests``; the control thread only copies the lists, and a
-snapshot that is one request stale is harmless). Buckets are non-cumulative here and made
-cumulative by the exporter. Failed requests are not observed.
+device, so it is one ``bisect`` over a tuple and two increments under an uncontended lock
+(requests run in parallel, in nbdkit's worker threads and the FUSE front door's, and an
+increment of a list item is not atomic even under the GIL). The control thread only copies
+the lists; a snapshot that is one request stale is harmless. Buckets are non-cumulative
+here and made cumulative by the exporter. Failed requests are not observed.
 """
 
 from __future__ import annotations
 
+import threading
 from bisect import bisect_left
 
 # Upper bounds in seconds. A 4 KiB read from the pool is ~20 us, a 1.25 MiB write with zstd
@@ -25,16 +27,19 @@ BUCKETS: tuple[float, ...] = (
 
 
 class Histogram:
-    __slots__ = ("counts", "sum")
+    __slots__ = ("counts", "sum", "_lock")
 
     def __init__(self) -> None:
         self.counts = [0] * (len(BUCKETS) + 1)  # last: above the largest bound (+Inf)
         self.sum = 0.0
+        self._lock = threading.Lock()
 
     def observe(self, seconds: float) -> None:
         # bisect_left: a value equal to a bound falls in that bucket (Prometheus "le")
-        self.counts[bisect_left(BUCKETS, seconds)] += 1
-        self.sum += seconds
+        i = bisect_left(BUCKETS, seconds)
+        with self._lock:
+            self.counts[i] += 1
+            self.sum += seconds
 
     def snapshot(self) -> dict:
         counts = list(self.counts)

@@ -42,7 +42,9 @@ def _fail(exc):
 
 
 def thread_model():
-    return nbdkit.THREAD_MODEL_SERIALIZE_ALL_REQUESTS
+    # The store has its own lock, and compresses and decompresses outside it: the requests
+    # of every connection run at once.
+    return nbdkit.THREAD_MODEL_PARALLEL
 
 
 def config(key, value):

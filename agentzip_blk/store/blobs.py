@@ -30,6 +30,9 @@ _COLUMNS = {
     "hash_hi": np.uint64,
     "atime": np.uint32,  # last access (read or write), in store ticks; 0 = never
     "rtime": np.uint32,  # last read, for the hot test (two reads within hot_threshold_ms)
+    # bumped when the row is freed: a read that decompressed a blob outside the store lock
+    # caches the copy only if the row still holds that blob (objects.Objects.adopt)
+    "gen": np.uint32,
 }
 ROW_BYTES = sum(np.dtype(t).itemsize for t in _COLUMNS.values())
 
@@ -90,6 +93,7 @@ class BlobTable:
 
     def delete(self, blob: int) -> None:
         self.ref[blob] = 0
+        self.gen[blob] += 1
         self.arena[blob] = self._free_head
         self._free_head = blob
         self.count -= 1

@@ -9,6 +9,7 @@ other module takes and drops references through here, so no book can be forgotte
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -53,6 +54,22 @@ class Counters:
     unit_hits: int = 0  # page reads served from the decompressed-frame cache
     units_rewritten: int = 0  # sparse frames recompressed without their dead pages
     decoded_bytes: int = 0  # bytes decompressed (a frame's whole size per miss): read amplification
+    # frames compressed under the store lock: sparse-frame rewrites, and the frames of
+    # writes that placement.Placer.prepare could not compress early (part already stored)
+    frames_compressed_locked: int = 0
+
+
+@dataclass
+class Deferred:
+    """A pool blob's bytes as stored, copied under the store lock, to be decompressed after
+    it is released (`Objects.finish`), then cached if the row still holds it (`adopt`)."""
+    blob: int
+    gen: int
+    codec: int
+    dict_id: int
+    stored: bytes
+    size: int      # decoded bytes: a page, or a frame
+    keep: bool     # cache the copy: a frame always, a page when it is hot
 
 
 class Objects:
@@ -74,6 +91,9 @@ class Objects:
         self.codec_pages = np.zeros(len(codecs.CODEC_NAMES), dtype=np.int64)
         # set by the tiering: a disk blob a request has read (bytes as stored) may move up
         self.promote: Callable[[int, bytes], None] = lambda blob, stored: None
+        # Decoder contexts are not thread-safe, and reads decompress outside the store lock:
+        # every decompression takes this lock (never the store lock while holding it).
+        self.decode_lock = threading.Lock()
 
     # -- new ---------------------------------------------------------------------------
 
@@ -154,25 +174,30 @@ class Objects:
             self.counters.disk_errors += 1
             raise
 
-    def fetch(self, blob: int, is_hot: bool = False, touch: bool = False) -> bytes:
-        """A blob's bytes (one page, or all pages of a frame): from the hot cache or the frame
-        cache, or decompressed from its tier (a disk blob read by a request, `touch`, may be
-        promoted)."""
+    def cached(self, blob: int) -> bytes | None:
+        """The hot or frame cache's copy of a blob, if either has one."""
         data = self.hot.get(blob)
         if data is not None:
             self.counters.hot_hits += 1
             return data
-        pages = int(self.blobs.pages[blob])
-        if pages > 1:
+        if self.blobs.pages[blob] > 1:
             data = self.frames.get(blob)
             if data is not None:
                 self.counters.unit_hits += 1
                 return data
+        return None
+
+    def fetch(self, blob: int, is_hot: bool = False, touch: bool = False) -> bytes:
+        """A blob's bytes (one page, or all pages of a frame): from the hot cache or the frame
+        cache, or decompressed from its tier (a disk blob read by a request, `touch`, may be
+        promoted)."""
+        data = self.cached(blob)
+        if data is not None:
+            return data
+        pages = int(self.blobs.pages[blob])
         stored = self.stored_bytes(blob)
-        data = self.codecs.decompress(
-            int(self.blobs.codec[blob]), stored, int(self.blobs.dict_id[blob]),
-            pages * self.page_size,
-        )
+        data = self.decode(int(self.blobs.codec[blob]), stored, int(self.blobs.dict_id[blob]),
+                           pages * self.page_size)
         self.counters.decoded_bytes += len(data)
         if touch and self.blobs.tier[blob] == DISK:
             self.promote(blob, stored)
@@ -181,6 +206,38 @@ class Objects:
         elif is_hot:
             self.hot.put(blob, data)
         return data
+
+    def fetch_or_defer(self, blob: int, is_hot: bool, touch: bool) -> bytes | Deferred:
+        """`fetch` for a read request, except that a pool blob's decompression is left to
+        the caller after the store lock (`finish`); disk blobs are fetched (and promoted)
+        here, under it."""
+        data = self.cached(blob)
+        if data is not None:
+            return data
+        blobs = self.blobs
+        if blobs.tier[blob] != POOL:
+            return self.fetch(blob, is_hot, touch)
+        pages = int(blobs.pages[blob])
+        return Deferred(blob, int(blobs.gen[blob]), int(blobs.codec[blob]),
+                        int(blobs.dict_id[blob]), self.stored_bytes(blob),
+                        pages * self.page_size, pages > 1 or is_hot)
+
+    def decode(self, codec_id: int, stored, dict_id: int, size: int) -> bytes:
+        with self.decode_lock:
+            return self.codecs.decompress(codec_id, stored, dict_id, size)
+
+    def finish(self, late: Deferred) -> bytes:
+        """Without the store lock: the deferred blob decompressed."""
+        return self.decode(late.codec, late.stored, late.dict_id, late.size)
+
+    def adopt(self, late: Deferred, data: bytes) -> None:
+        """Under the store lock again: count the decoding, and cache the copy unless the blob
+        was released meanwhile (its row freed, perhaps reused)."""
+        self.counters.decoded_bytes += len(data)
+        blobs = self.blobs
+        if not late.keep or blobs.ref[late.blob] == 0 or int(blobs.gen[late.blob]) != late.gen:
+            return
+        (self.frames if late.size > self.page_size else self.hot).put(late.blob, data)
 
     def page(self, blob: int, sub: int) -> memoryview:
         """Page `sub` of a blob, for a comparison (no access recorded, no promotion)."""

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..codec.codecs import MAX_COMPRESSED, CodecSet, make_codec
+from ..codec.codecs import MAX_COMPRESSED, CodecSet, PooledCodec, make_codec
 from ..codec.dictionaries import StoreDictionaries
 from ..config import MAX_FRAME_PAGES
 from ..errors import OutOfRange, StoreFull
@@ -37,8 +37,8 @@ from .blobs import BlobTable
 from .cache import HotCache
 from .dedup import DedupIndex
 from .disk import DiskTier
-from .objects import Counters, Objects
-from .placement import Placer, same_filled
+from .objects import Counters, Deferred, Objects
+from .placement import Placer, Prepared
 from .pool import Pool
 from .slots import BLOB, EMPTY, SAME, SlotTable
 from .tiering import DEMOTE_CHUNK, REWRITE_CHUNK, Tiering, Tiers
@@ -85,8 +85,10 @@ class PageStore:
         self.kind, self.handle, self.sub = self.slots.kind, self.slots.handle, self.slots.sub
         self.frame_pages = frame_pages
         writer = make_codec(algorithm, level, page_size)
+        # Pooled: request threads compress their frames before they take the lock.
         self.frame_codec = (
-            make_codec(algorithm, level, frame_pages * page_size) if frame_pages > 1 else None
+            PooledCodec(lambda: make_codec(algorithm, level, frame_pages * page_size))
+            if frame_pages > 1 else None
         )
         # compression.dictionary: loads (and checks) the dictionaries now, so a missing or
         # corrupt file stops the server at startup; picks one per write request later.
@@ -148,11 +150,15 @@ class PageStore:
 
     def write(self, buf, offset: int) -> None:
         data = memoryview(buf).cast("B")
+        # The expensive part, compressing the request's frames, happens before the lock, so
+        # that reads and other writes do not wait behind it (placement.Placer.prepare).
+        in_range = 0 <= offset and offset + len(data) <= self.size
+        early = self.placer.prepare(data, offset) if in_range else None
         with self.lock:
             self._check_range(offset, len(data))
             self.counters.writes += 1
             try:
-                self._write(data, offset)
+                self._write(data, offset, early)
             except StoreFull:
                 self.counters.enospc += 1
                 raise
@@ -165,15 +171,39 @@ class PageStore:
 
     def readinto(self, buf, offset: int) -> None:
         out = memoryview(buf).cast("B")
+        # Pool blobs are decompressed after the lock (objects.Deferred), so that a read's
+        # decompression does not hold up other requests' bookkeeping.
+        late: dict[int, tuple[Deferred, list[tuple[int, int]]]] = {}
         with self.lock:
             self._check_range(offset, len(out))
             self.counters.reads += 1
             try:
-                self._readinto(out, offset)
+                self._readinto(out, offset, late)
             except Exception:
                 self.counters.errors += 1
                 raise
             self.counters.bytes_read += len(out)
+        if late:
+            self._finish_reads(out, late)
+
+    def _finish_reads(self, out: memoryview,
+                      late: dict[int, tuple[Deferred, list[tuple[int, int]]]]) -> None:
+        """Decompress each deferred blob once, copy its pages out, then cache the copies."""
+        page = self.page_size
+        done: list[tuple[Deferred, bytes]] = []
+        try:
+            for blob_late, places in late.values():
+                data = memoryview(self.objects.finish(blob_late))
+                for i, sub in places:
+                    out[i * page : (i + 1) * page] = data[sub * page : (sub + 1) * page]
+                done.append((blob_late, data.obj))
+        except Exception:
+            with self.lock:
+                self.counters.errors += 1
+            raise
+        with self.lock:
+            for blob_late, data in done:
+                self.objects.adopt(blob_late, data)
 
     def read(self, offset: int, length: int) -> bytearray:
         if length < 0:
@@ -233,12 +263,12 @@ class PageStore:
         end = -(-(offset + length) // page)
         return first, end - first
 
-    def _write(self, data: memoryview, offset: int) -> None:
+    def _write(self, data: memoryview, offset: int, early: Prepared | None = None) -> None:
         if not data:
             return
         page = self.page_size
         if offset % page == 0 and len(data) % page == 0:
-            self._write_pages(offset // page, data)
+            self._write_pages(offset // page, data, early)
             return
         first, count = self._span(offset, len(data))
         whole = bytearray(count * page)
@@ -267,20 +297,21 @@ class PageStore:
 
     # -- pages -----------------------------------------------------------------------
 
-    def _write_pages(self, first: int, data: memoryview) -> None:
+    def _write_pages(self, first: int, data: memoryview, early: Prepared | None = None) -> None:
         page = self.page_size
         count = len(data) // page
         now = self.now()
-        same, new_kind, new_handle = same_filled(data, count, page)
+        if early is None:
+            early = self.placer.split(data, count)
+        same, new_kind, new_handle = early.same, early.kind, early.handle
         new_sub = np.zeros(count, dtype=np.uint8)
         staged: list[int] = []  # one entry per blob reference taken for this request
         disk_before = self.disk.writes if self.disk else 0
-        todo = np.flatnonzero(~same).tolist()
-        pages = [data[i * page : (i + 1) * page] for i in todo]
+        todo, pages = early.todo, early.pages
         self.dicts.maybe_collect(self.blobs)
         placed: list[tuple[int, int]] = [(0, 0)] * len(pages)  # (blob, page in blob)
         try:
-            self.placer.place(pages, now, placed, staged)
+            self.placer.place(pages, now, placed, staged, early.hashes, early.frames)
             if self.disk and self.disk.writes != disk_before:
                 # Inside the try: a failed write-back fails the request and releases its
                 # staged blobs (they used to leak, with no slot referring to them).
@@ -318,12 +349,14 @@ class PageStore:
         page, sub = self.page_size, int(self.sub[slot])
         return memoryview(data)[sub * page : (sub + 1) * page]
 
-    def _readinto(self, out: memoryview, offset: int) -> None:
+    def _readinto(self, out: memoryview, offset: int, late: dict | None = None) -> None:
+        """`late`: where pool blobs left to decompress after the lock go (aligned reads only;
+        the unaligned path copies out of a bounce buffer before that)."""
         if not out:
             return
         page = self.page_size
         if offset % page == 0 and len(out) % page == 0:
-            self._readinto_pages(out, offset // page, len(out) // page)
+            self._readinto_pages(out, offset // page, len(out) // page, late=late)
             return
         first, count = self._span(offset, len(out))
         whole = bytearray(count * page)
@@ -331,9 +364,10 @@ class PageStore:
         start = offset - first * page
         out[:] = whole[start : start + len(out)]
 
-    def _readinto_pages(self, out: memoryview, first: int, count: int, touch: bool = True) -> None:
+    def _readinto_pages(self, out: memoryview, first: int, count: int, touch: bool = True,
+                        late: dict | None = None) -> None:
         if count <= _FEW_PAGES:
-            self._readinto_few(out, first, count, touch)
+            self._readinto_few(out, first, count, touch, late)
             return
         page = self.page_size
         kinds = self.kind[first : first + count]
@@ -356,10 +390,26 @@ class PageStore:
             self.blobs.atime[ids] = now
             self.slots.rtime[first : first + count][held] = now
         for i, blob, is_hot in zip(held.tolist(), ids.tolist(), hot.tolist()):
-            data = self.objects.fetch(blob, is_hot, touch)
-            out[i * page : (i + 1) * page] = self._page_of(data, first + i)
+            self._read_blob(out, i, first + i, blob, is_hot, touch, late)
 
-    def _readinto_few(self, out: memoryview, first: int, count: int, touch: bool) -> None:
+    def _read_blob(self, out: memoryview, i: int, slot: int, blob: int, is_hot: bool,
+                   touch: bool, late: dict | None) -> None:
+        """Page `i` of `out` from `blob`, now, or noted in `late` for after the lock."""
+        if late is None:
+            data = self.objects.fetch(blob, is_hot, touch)
+        elif blob in late:
+            late[blob][1].append((i, int(self.sub[slot])))
+            return
+        else:
+            data = self.objects.fetch_or_defer(blob, is_hot, touch)
+            if isinstance(data, Deferred):
+                late[blob] = (data, [(i, int(self.sub[slot]))])
+                return
+        page = self.page_size
+        out[i * page : (i + 1) * page] = self._page_of(data, slot)
+
+    def _readinto_few(self, out: memoryview, first: int, count: int, touch: bool,
+                      late: dict | None = None) -> None:
         """The same as the vectorized path, page by page: a swap-in fault reads 1-8 pages,
         and for those numpy's per-call overhead costs more than it saves."""
         page = self.page_size
@@ -381,7 +431,7 @@ class PageStore:
                     blobs.rtime[blob] = now
                     blobs.atime[blob] = now
                     self.slots.rtime[slot] = now
-                out[i * page : (i + 1) * page] = self._page_of(self.objects.fetch(blob, is_hot, touch), slot)
+                self._read_blob(out, i, slot, blob, is_hot, touch, late)
 
     # -- tiers, accounting (the work is in `tiering` and `accounting`) -----------------
 

@@ -10,6 +10,8 @@ dictionary choice or kept raw.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import xxhash
 
@@ -37,6 +39,33 @@ def page_hash(page) -> tuple[int, int]:
     """The page's 128-bit xxh3 as (low, high) 64-bit halves."""
     digest = xxhash.xxh3_128_intdigest(page)
     return digest & _MASK64, digest >> 64
+
+
+@dataclass
+class Prepared:
+    """What a write request's pages are, worked out before the store lock is taken: which
+    are same-filled (`same`, and the slots' new `kind`/`handle`), the others (`todo`, their
+    `pages` and `hashes`), and `frames`: the compressed frame for each group of positions
+    in `pages` that `place` will form if none of the pages is already stored."""
+    same: np.ndarray
+    kind: np.ndarray
+    handle: np.ndarray
+    todo: list[int]
+    pages: list[memoryview]
+    hashes: list[tuple[int, int]] | None = None
+    frames: dict[tuple[int, ...], bytes] = field(default_factory=dict)
+
+
+def fresh_positions(hashes: list[tuple[int, int]]) -> list[int]:
+    """Positions of the first page of each content: the pages `place` stores when nothing
+    of the request is stored yet."""
+    seen: set[tuple[int, int]] = set()
+    fresh = []
+    for n, h in enumerate(hashes):
+        if h not in seen:
+            seen.add(h)
+            fresh.append(n)
+    return fresh
 
 
 class _Chooser:
@@ -68,18 +97,45 @@ class Placer:
         self.frame_pages = frame_pages
         self.hot_ticks = hot_ticks
 
+    def split(self, data: memoryview, count: int) -> Prepared:
+        """Same-filled pages and the others, for `count` whole pages of `data`."""
+        page = self.objects.page_size
+        same, kind, handle = same_filled(data, count, page)
+        todo = np.flatnonzero(~same).tolist()
+        return Prepared(same, kind, handle, todo, [data[i * page : (i + 1) * page] for i in todo])
+
+    def prepare(self, data: memoryview, offset: int) -> Prepared | None:
+        """`split`, the hashes, and the frames compressed, for a request of whole pages.
+        Runs without the store lock and reads no store state: only the request's bytes."""
+        page = self.objects.page_size
+        if self.frame_codec is None or not data or offset % page or len(data) % page:
+            return None
+        early = self.split(data, len(data) // page)
+        early.hashes = [page_hash(p) for p in early.pages]
+        fresh = fresh_positions(early.hashes)
+        step = self.frame_pages
+        for start in range(0, len(fresh), step):
+            group = tuple(fresh[start : start + step])
+            if len(group) > 1:
+                early.frames[group] = self.frame_codec.compress(
+                    b"".join(early.pages[n] for n in group))
+        return early
+
     def place(self, pages: list[memoryview], now: int,
-              placed: list[tuple[int, int]], staged: list[int]) -> None:
+              placed: list[tuple[int, int]], staged: list[int],
+              hashes: list[tuple[int, int]] | None = None,
+              frames: dict[tuple[int, ...], bytes] | None = None) -> None:
         """Find or store a home for each page: an equal page already stored (any blob, any
         page of a frame), an equal page earlier in this request, or a new blob. Fills
-        `placed` with (blob, page in blob) and appends every reference taken to `staged`."""
-        hashes: list[tuple[int, int]] = []
+        `placed` with (blob, page in blob) and appends every reference taken to `staged`.
+        `hashes` and `frames` come from `prepare` when it ran."""
+        if hashes is None:
+            hashes = [page_hash(page) for page in pages]
         fresh: list[int] = []  # positions of pages to store
         first_of: dict[tuple[int, int], int] = {}  # hash -> position of its first fresh page
         repeats: list[tuple[int, int]] = []
         for n, page in enumerate(pages):
-            lo, hi = page_hash(page)
-            hashes.append((lo, hi))
+            lo, hi = hashes[n]
             found = self.lookup(page, lo, hi, now)
             if found is not None:
                 placed[n] = found
@@ -93,7 +149,7 @@ class Placer:
         chooser = _Chooser(self.dicts, pages)
         for start in range(0, len(fresh), step):
             self.store_group(fresh[start : start + step], pages, hashes, now, chooser,
-                             placed, staged)
+                             placed, staged, frames)
         for n, earlier in repeats:
             blob = placed[earlier][0]
             self.objects.ref(blob)
@@ -123,13 +179,18 @@ class Placer:
 
     def store_group(self, group: list[int], pages: list[memoryview],
                     hashes: list[tuple[int, int]], now: int, chooser: _Chooser | None,
-                    placed: list[tuple[int, int]], staged: list[int]) -> None:
+                    placed: list[tuple[int, int]], staged: list[int],
+                    frames: dict[tuple[int, ...], bytes] | None = None) -> None:
         """Store the pages at positions `group`: as one frame when there are several and
-        they compress well enough together, else one blob per page."""
+        they compress well enough together, else one blob per page. `frames` may hold the
+        group already compressed (a page found stored shifts the groups: then not)."""
         if len(group) > 1:
             # No dictionary for frames: their own earlier pages are a better one, so the
             # dictionary trainer only sees pages compressed alone.
-            compressed = self.frame_codec.compress(b"".join(pages[n] for n in group))
+            compressed = frames.get(tuple(group)) if frames else None
+            if compressed is None:
+                compressed = self.frame_codec.compress(b"".join(pages[n] for n in group))
+                self.counters.frames_compressed_locked += 1
             if pays(len(compressed), len(group)):
                 keys = [index_key(hashes[n][0]) for n in group]
                 blob = self.objects.new_frame(compressed, self.frame_codec.id, keys, now)
