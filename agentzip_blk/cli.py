@@ -180,8 +180,10 @@ def cmd_up(args) -> int:
     state = device.up(config, args.config, run_dir, args.priority, size, plugin=args.plugin,
                       allow_zswap=args.allow_zswap, timeout=args.timeout,
                       mlock=not args.no_mlock)
-    via = (f"nbdfuse pid {state.nbdfuse_pid} + {state.loop_device} (direct I/O)"
-           if state.mode == "fuse" else f"kernel nbd {state.nbd_device}")
+    via = (f"kernel nbd {state.nbd_device}" if state.mode == "nbd" else
+           f"nbdfuse pid {state.nbdfuse_pid} + {state.loop_device} (direct I/O)"
+           if state.frontend == "nbdfuse" else
+           f"its FUSE file {state.fuse_file} + {state.loop_device} (direct I/O)")
     print(f"{state.device}: swap on, {_fmt(state.size)}, priority {state.swap_priority}; "
           f"nbdkit pid {state.nbdkit_pid}, {via}; run dir {run_dir}")
     return 0
@@ -216,13 +218,19 @@ def _status_text(st: dict) -> str:
                          f"size {_fmt(srv['size'])}, plugin {srv['plugin']}")
         else:
             lines.append(f"server    nbdkit pid {srv['pid']} NOT running")
+        if st["mode"] == "fuse" and st["nbdfuse"] is None:
+            mnt = st["mount"] or {}
+            lines.append(f"fuse      served by nbdkit, {mnt.get('file')} "
+                         f"{'mounted' if mnt.get('mounted') else 'NOT mounted'}")
         if st["mode"] == "fuse":
             fz = st["nbdfuse"] or {}
             mnt = st["mount"] or {}
-            lines.append(f"nbdfuse   pid {fz.get('pid')} "
-                         f"{'running' if fz.get('alive') else 'NOT running'}"
-                         f"{', memory locked' if fz.get('locked') else ''}, "
-                         f"{mnt.get('file')} {'mounted' if mnt.get('mounted') else 'NOT mounted'}")
+            if st["nbdfuse"] is not None:
+                lines.append(f"nbdfuse   pid {fz.get('pid')} "
+                             f"{'running' if fz.get('alive') else 'NOT running'}"
+                             f"{', memory locked' if fz.get('locked') else ''}, "
+                             f"{mnt.get('file')} "
+                             f"{'mounted' if mnt.get('mounted') else 'NOT mounted'}")
             lp = st["loop"]
             if lp:
                 dio = {True: "on", False: "OFF", None: "?"}[lp["dio"]]

@@ -93,6 +93,13 @@ class DeviceConfig:
     # and are charged to their cgroups, and a load run with it ended in OOM kills
     # (BENCHMARKS.md): opt-in until measured properly.
     rotational: bool = False
+    # How the kernel reaches the server: kernel nbd (/dev/nbdN), or a loop device over a file
+    # served by FUSE from the server process itself ("fuse"), or by nbdfuse over NBD
+    # ("nbdfuse", the old chain, kept for comparison). auto: nbd where /dev/nbd0 exists.
+    frontend: str = "auto"
+
+
+FRONTENDS = ("auto", "fuse", "nbdfuse", "nbd")
 
 
 def _default_scopes() -> list[Scope]:
@@ -310,7 +317,14 @@ def _parse_device(value: Any) -> DeviceConfig:
         swap_priority=_int(data.get("swap_priority", d.swap_priority), "device.swap_priority", lo, hi),
         run_dir=_abs_path(data.get("run_dir", d.run_dir), "device.run_dir"),
         rotational=_bool(data.get("rotational", d.rotational), "device.rotational"),
+        frontend=_frontend(data.get("frontend", d.frontend)),
     )
+
+
+def _frontend(value: Any) -> str:
+    if not isinstance(value, str) or value not in FRONTENDS:
+        raise ConfigError(f"device.frontend: {value!r} is not one of {' | '.join(FRONTENDS)}")
+    return value
 
 
 def parse_config(data: Mapping[str, Any]) -> Config:

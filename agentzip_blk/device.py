@@ -120,7 +120,10 @@ class RunState:
     config_path: str | None = None
     size: int = 0
     swap_priority: int = DEFAULT_PRIORITY
-    mode: str = "fuse"              # "fuse" (nbdfuse + loop) or "nbd" (kernel nbd)
+    mode: str = "fuse"              # "fuse" (loop over a FUSE file) or "nbd" (kernel nbd)
+    # who serves the FUSE file: "fuse" (the server itself, datapath.fuse) or "nbdfuse";
+    # "nbd" in nbd mode. The default is what state files written before the key meant.
+    frontend: str = "nbdfuse"
     nbdkit_pid: int | None = None
     nbdfuse_pid: int | None = None
     mountpoint: str | None = None
@@ -539,20 +542,49 @@ def _teardown(state: RunState, timeout: float = 30.0) -> None:
 
 # --- up ---------------------------------------------------------------------------------
 
-def required_tools(kernel_nbd: bool | None = None, tools: dict | None = None) -> list[str]:
+def required_tools(kernel_nbd: bool | None = None, tools: dict | None = None,
+                   frontend: str | None = None) -> list[str]:
     tools = {**TOOLS, **(tools or {})}
     if kernel_nbd is None:
         kernel_nbd = system.nbd_kernel_available()
+    if frontend is None:
+        frontend = "nbd" if kernel_nbd else "nbdfuse"
     names = ["nbdkit", "mkswap", "swapon", "swapoff"]
-    names += ["nbd-client"] if kernel_nbd else ["nbdfuse", "fusermount3", "losetup"]
+    names += {"nbd": ["nbd-client"], "fuse": ["fusermount3", "losetup"]}.get(
+        frontend, ["nbdfuse", "fusermount3", "losetup"])
     return [tools[n] for n in names]
 
 
+def resolve_frontend(config=None, frontend: str | None = None, kernel_nbd: bool | None = None,
+                     plugin: str | None = None) -> str:
+    """device.frontend (or ``frontend``) made concrete: "nbd", "fuse" or "nbdfuse".
+
+    auto: kernel nbd where /dev/nbd0 exists, else the server's own FUSE file; a plugin that
+    is not ours (nbdkit's memory plugin in tests) cannot serve FUSE, so nbdfuse serves it."""
+    if frontend is None:
+        dev = getattr(config, "device", None) if config is not None else None
+        frontend = getattr(dev, "frontend", None) or "auto"
+    if frontend == "auto":
+        if kernel_nbd is None:
+            kernel_nbd = system.nbd_kernel_available()
+        if kernel_nbd:
+            return "nbd"
+        return "fuse" if plugin is None or is_python_plugin(plugin) else "nbdfuse"
+    if frontend not in ("nbd", "fuse", "nbdfuse"):
+        raise SetupError(f"device.frontend: {frontend!r} is not one of auto | fuse | nbdfuse | nbd")
+    if frontend == "nbd" and kernel_nbd is False:
+        raise SetupError("device.frontend is nbd but the kernel has no nbd driver (/dev/nbd0)")
+    if frontend == "fuse" and plugin is not None and not is_python_plugin(plugin):
+        raise SetupError(f"device.frontend fuse needs the agentzip plugin, not {plugin!r}")
+    return frontend
+
+
 def check_up_preconditions(*, allow_zswap: bool = False, plugin: str | None = None,
-                           tools: dict | None = None, kernel_nbd: bool | None = None) -> None:
+                           tools: dict | None = None, kernel_nbd: bool | None = None,
+                           frontend: str | None = None) -> None:
     """Raise SetupError when ``up`` cannot work here (non-root, missing tools, zswap)."""
     system.require_root("agentzip-blk up")
-    system.require_tools(required_tools(kernel_nbd, tools))
+    system.require_tools(required_tools(kernel_nbd, tools, frontend))
     if plugin is None or is_python_plugin(plugin):
         system.require_nbdkit_plugin("python", (tools or {}).get("nbdkit", TOOLS["nbdkit"]))
         path = plugin or default_plugin_path()
@@ -569,12 +601,13 @@ def up(config=None, config_path: str | None = None, run_dir: str | None = None,
        priority: int | None = None, size: int | None = None, *, plugin: str | None = None,
        allow_zswap: bool = False, tools: dict | None = None, kernel_nbd: bool | None = None,
        timeout: float = 30.0, mlock: bool = True,
-       fail_after: str | None = None) -> RunState:
+       fail_after: str | None = None, frontend: str | None = None) -> RunState:
     """Start the server and attach it as swap. Returns the saved RunState.
 
     ``plugin``: path of a Python plugin (default nbdkit/agentzip_plugin.py) or an nbdkit
     plugin name such as ``memory`` (tests). ``tools`` overrides tool names/paths.
     ``kernel_nbd`` forces the attach mode (default: kernel nbd when /dev/nbd0 exists).
+    ``frontend`` overrides ``device.frontend`` (auto | fuse | nbdfuse | nbd).
     ``mlock``: pass ``--swap`` so nbdkit mlockall()s itself (see docs: costs nbdkit's whole
     192 MiB .bss plus every thread stack in RAM; a plugin that calls
     mlockall(MCL_CURRENT|MCL_FUTURE|MCL_ONFAULT) itself can run with ``mlock=False``).
@@ -596,8 +629,10 @@ def up(config=None, config_path: str | None = None, run_dir: str | None = None,
     if kernel_nbd is None:
         kernel_nbd = system.nbd_kernel_available()
     plugin = plugin or default_plugin_path()
+    frontend = resolve_frontend(config, frontend, kernel_nbd, plugin)
+    kernel_nbd = frontend == "nbd"
     check_up_preconditions(allow_zswap=allow_zswap, plugin=plugin, tools=tools,
-                           kernel_nbd=kernel_nbd)
+                           kernel_nbd=kernel_nbd, frontend=frontend)
     nbd_socket = os.path.join(run_dir, "nbd.sock")
     if len(nbd_socket.encode()) > 100:
         raise SetupError(f"run directory path too long for a unix socket: {run_dir}")
@@ -625,7 +660,8 @@ def up(config=None, config_path: str | None = None, run_dir: str | None = None,
                          control_socket=control,
                          config_path=os.path.abspath(config_path) if config_path else None,
                          size=size, swap_priority=priority,
-                         mode="nbd" if kernel_nbd else "fuse", tools=tools, mlock=mlock,
+                         mode="nbd" if kernel_nbd else "fuse", frontend=frontend,
+                         tools=tools, mlock=mlock,
                          rotational=bool(config is not None and config.device.rotational))
         state.save()
         try:
@@ -663,11 +699,15 @@ def _up_steps(state: RunState, timeout: float, fail_after: str | None) -> None:
     argv = server_command(state.plugin, state.nbd_socket, state.control_socket, pidfile,
                           state.config_path, state.size, foreground=True, nbdkit=nbdkit,
                           mlock=state.mlock)
+    if state.frontend == "fuse":
+        argv += _fuse_frontend_keys(state)
     log = os.path.join(run_dir, "nbdkit.log")
     proc = _spawn(argv, log, env=plugin_env())
     state.nbdkit_pid = proc.pid
     state.save()
     ready = [state.nbd_socket] + ([state.control_socket] if state.control_socket else [])
+    if state.frontend == "fuse":
+        ready.append(state.fuse_file)  # mounted and answering once its lookup succeeds
     _wait_ready(proc, pidfile, ready, timeout, "nbdkit", log)
     # best effort: needs CAP_SYS_RESOURCE (missing in some containers)
     state.oom_protected = system.set_oom_score_adj(proc.pid, -1000)
@@ -684,6 +724,30 @@ def _up_steps(state: RunState, timeout: float, fail_after: str | None) -> None:
         state.device = dev
         state.save()
     else:
+        if state.frontend == "nbdfuse":
+            _start_nbdfuse(state, timeout, fail_after)
+        _attach_loop(state, timeout, fail_after)
+
+    # 3. mkswap + swapon
+    _swapon(state, timeout, fail_after)
+
+
+def _fuse_frontend_keys(state: RunState) -> list[str]:
+    """Plugin keys for the in-process FUSE front door: the server mounts RUN/mnt and serves
+    RUN/mnt/device itself (agentzip_blk.datapath.fuse) right after nbdkit starts."""
+    mnt = os.path.join(state.run_dir, "mnt")
+    os.makedirs(mnt, mode=0o700, exist_ok=True)
+    if _is_mounted(mnt):
+        raise DeviceError(f"{mnt} is already a mount point: fusermount3 -u {mnt}")
+    state.mountpoint = mnt
+    state.fuse_file = os.path.join(mnt, "device")
+    state.save()
+    return [f"fuse={mnt}"]
+
+
+def _start_nbdfuse(state: RunState, timeout: float, fail_after: str | None) -> None:
+    run_dir, tools = state.run_dir, state.tools
+    if True:
         mnt = os.path.join(run_dir, "mnt")
         os.makedirs(mnt, mode=0o700, exist_ok=True)
         if _is_mounted(mnt):
@@ -706,10 +770,15 @@ def _up_steps(state: RunState, timeout: float, fail_after: str | None) -> None:
         state.oom_protected = system.set_oom_score_adj(fproc.pid, -1000) and state.oom_protected
         state.nbdfuse_locked = _locked_bytes(fproc.pid) > 0
         state.save()
+
+
+def _attach_loop(state: RunState, timeout: float, fail_after: str | None) -> None:
+    tools = state.tools
+    if True:
         st = os.stat(state.fuse_file)
         if st.st_size != state.size:
             raise DeviceError(f"{state.fuse_file} has size {st.st_size}, expected {state.size}")
-        _inject("nbdfuse", fail_after)
+        _inject(state.frontend, fail_after)
 
         out = _run([_resolve_tool("losetup", tools), "--direct-io=on", "--show", "-f",
                     state.fuse_file], timeout=timeout, what="losetup")
@@ -726,7 +795,9 @@ def _up_steps(state: RunState, timeout: float, fail_after: str | None) -> None:
             _mark_rotational(loop)
         _inject("losetup", fail_after)
 
-    # 3. mkswap + swapon
+
+def _swapon(state: RunState, timeout: float, fail_after: str | None) -> None:
+    tools = state.tools
     _run([_resolve_tool("mkswap", tools), "-L", SWAP_LABEL, state.device], timeout=timeout,
          what=f"mkswap {state.device}")
     state.mkswap_done = True
@@ -806,7 +877,7 @@ def status(run_dir: str | None = None, *, config=None) -> dict:
                          "socket": state.nbd_socket, "control": state.control_socket,
                          "plugin": state.plugin, "size": state.size,
                          "started": state.started}
-        if state.mode == "fuse":
+        if state.mode == "fuse" and state.frontend == "nbdfuse":
             falive = _ours_alive(state.nbdfuse_pid, state.tool("nbdfuse"), state.fuse_file)
             out["nbdfuse"] = {"pid": state.nbdfuse_pid, "alive": falive,
                               "rss": system.process_rss(state.nbdfuse_pid) if falive else 0,
@@ -815,6 +886,7 @@ def status(run_dir: str | None = None, *, config=None) -> dict:
                 warnings.append("nbdfuse's memory is not locked (no C compiler for the mlock "
                                 "shim?): under heavy pressure it can swap onto its own device "
                                 "and deadlock; apt-get install gcc and re-run up")
+        if state.mode == "fuse":
             out["mount"] = {"path": state.mountpoint, "file": state.fuse_file,
                             "mounted": _is_mounted(state.mountpoint)}
             if state.loop_device:
