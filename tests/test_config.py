@@ -151,6 +151,7 @@ def valid_configs(draw):
             "swap_priority": draw(st.integers(-1, 32767)),
             "run_dir": "/run/" + draw(st.from_regex(r"[a-z]{1,8}", fullmatch=True)),
             "rotational": draw(st.booleans()),
+            "frontend": draw(st.sampled_from(["auto", "fuse", "nbdfuse", "nbd"])),
         },
     }
 
@@ -497,3 +498,9 @@ def test_load_unreadable(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="cannot read config file") as info:
         load_config(str(path))
     assert str(path) in str(info.value) and "Permission denied" in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["kernel", "", 1, None, ["fuse"]])
+def test_device_frontend_must_be_known(value):
+    with pytest.raises(ConfigError, match="device.frontend"):
+        parse_config({"device": {"frontend": value}})
