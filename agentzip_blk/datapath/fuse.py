@@ -3,7 +3,7 @@
 Where the kernel has no nbd driver, the swap device is a loop device (``--direct-io=on``)
 over a file. This module serves that file from the process that holds the store: no nbdfuse
 process, no NBD hop. It speaks the kernel's FUSE protocol on ``/dev/fuse`` itself, in pure
-Python (docs/ARCHITECTURE.md, "Front doors"), because:
+Python (BENCHMARKS.md, "Front doors"), because:
 
 - neither binding Debian ships implements ``fallocate``: python3-llfuse 1.4 (libfuse 2) and
   python3-pyfuse3 3.2 (libfuse 3) have no such operation, so the loop device's discards
