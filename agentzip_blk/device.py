@@ -805,54 +805,51 @@ def _fuse_frontend_keys(state: RunState) -> list[str]:
 
 def _start_nbdfuse(state: RunState, timeout: float, fail_after: str | None) -> None:
     run_dir, tools = state.run_dir, state.tools
-    if True:
-        mnt = os.path.join(run_dir, "mnt")
-        os.makedirs(mnt, mode=0o700, exist_ok=True)
-        if _is_mounted(mnt):
-            raise DeviceError(f"{mnt} is already a mount point: fusermount3 -u {mnt}")
-        state.mountpoint = mnt
-        state.fuse_file = os.path.join(mnt, "nbd")
-        fuse_pidfile = os.path.join(run_dir, "nbdfuse.pid")
-        flog = os.path.join(run_dir, "nbdfuse.log")
-        fenv = None
-        shim = _build_mlock_shim(run_dir) if state.mlock else None
-        if shim:
-            fenv = dict(os.environ)
-            fenv["LD_PRELOAD"] = (shim + " " + fenv["LD_PRELOAD"]).strip() \
-                if fenv.get("LD_PRELOAD") else shim
-        fproc = _spawn([_resolve_tool("nbdfuse", tools), "-P", fuse_pidfile, state.fuse_file,
-                        "--unix", state.nbd_socket], flog, env=fenv)
-        state.nbdfuse_pid = fproc.pid
-        state.save()
-        _wait_ready(fproc, fuse_pidfile, [], timeout, "nbdfuse", flog)
-        state.oom_protected = system.set_oom_score_adj(fproc.pid, -1000) and state.oom_protected
-        state.nbdfuse_locked = _locked_bytes(fproc.pid) > 0
-        state.save()
+    mnt = os.path.join(run_dir, "mnt")
+    os.makedirs(mnt, mode=0o700, exist_ok=True)
+    if _is_mounted(mnt):
+        raise DeviceError(f"{mnt} is already a mount point: fusermount3 -u {mnt}")
+    state.mountpoint = mnt
+    state.fuse_file = os.path.join(mnt, "nbd")
+    fuse_pidfile = os.path.join(run_dir, "nbdfuse.pid")
+    flog = os.path.join(run_dir, "nbdfuse.log")
+    fenv = None
+    shim = _build_mlock_shim(run_dir) if state.mlock else None
+    if shim:
+        fenv = dict(os.environ)
+        fenv["LD_PRELOAD"] = (shim + " " + fenv["LD_PRELOAD"]).strip() \
+            if fenv.get("LD_PRELOAD") else shim
+    fproc = _spawn([_resolve_tool("nbdfuse", tools), "-P", fuse_pidfile, state.fuse_file,
+                    "--unix", state.nbd_socket], flog, env=fenv)
+    state.nbdfuse_pid = fproc.pid
+    state.save()
+    _wait_ready(fproc, fuse_pidfile, [], timeout, "nbdfuse", flog)
+    state.oom_protected = system.set_oom_score_adj(fproc.pid, -1000) and state.oom_protected
+    state.nbdfuse_locked = _locked_bytes(fproc.pid) > 0
+    state.save()
 
 
 def _attach_loop(state: RunState, timeout: float, fail_after: str | None) -> None:
     tools = state.tools
-    if True:
-        st = os.stat(state.fuse_file)
-        if st.st_size != state.size:
-            raise DeviceError(f"{state.fuse_file} has size {st.st_size}, expected {state.size}")
-        _inject(state.frontend, fail_after)
+    st = os.stat(state.fuse_file)
+    if st.st_size != state.size:
+        raise DeviceError(f"{state.fuse_file} has size {st.st_size}, expected {state.size}")
+    _inject(state.frontend, fail_after)
 
-        out = _run([_resolve_tool("losetup", tools), "--direct-io=on", "--show", "-f",
-                    state.fuse_file], timeout=timeout, what="losetup")
-        loop = out.strip().splitlines()[-1].strip() if out.strip() else ""
-        if not loop.startswith("/dev/loop"):
-            raise DeviceError(f"losetup printed no loop device: {out!r}")
-        state.loop_device = state.device = loop
-        state.save()
-        if _loop_dio(loop) is not True:
-            raise DeviceError(f"direct I/O is off on {loop} (/sys/block/{_loop_name(loop)}/"
-                              "loop/dio): without it every swapped page also stays in the "
-                              "page cache and no memory is saved")
-        if state.rotational:
-            _mark_rotational(loop)
-        _inject("losetup", fail_after)
-
+    out = _run([_resolve_tool("losetup", tools), "--direct-io=on", "--show", "-f",
+                state.fuse_file], timeout=timeout, what="losetup")
+    loop = out.strip().splitlines()[-1].strip() if out.strip() else ""
+    if not loop.startswith("/dev/loop"):
+        raise DeviceError(f"losetup printed no loop device: {out!r}")
+    state.loop_device = state.device = loop
+    state.save()
+    if _loop_dio(loop) is not True:
+        raise DeviceError(f"direct I/O is off on {loop} (/sys/block/{_loop_name(loop)}/"
+                          "loop/dio): without it every swapped page also stays in the "
+                          "page cache and no memory is saved")
+    if state.rotational:
+        _mark_rotational(loop)
+    _inject("losetup", fail_after)
 
 
 def _swapon(state: RunState, timeout: float, fail_after: str | None) -> None:
