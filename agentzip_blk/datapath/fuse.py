@@ -202,6 +202,7 @@ class FuseFile:
         self.observe_write = observe_write
         self.open_flags = FOPEN_DIRECT_IO if direct_io else 0
         self.stats = FuseStats()
+        self._stats_lock = threading.Lock()  # workers count concurrently
         self._fd: int | None = None
         self._workers: list[threading.Thread] = []
         self._conn: int | None = None  # /sys/fs/fuse/connections/N
@@ -341,7 +342,8 @@ class FuseFile:
             except OSError as e:
                 if e.errno != errno.ENOENT:
                     raise
-            self.stats.reads += 1
+            with self._stats_lock:
+                self.stats.reads += 1
             if self.observe_read is not None:
                 self.observe_read(time.perf_counter() - t0)
             return None
@@ -358,7 +360,8 @@ class FuseFile:
             except Exception as exc:
                 return self._fail(fd, unique, exc)
             self._reply(fd, unique, WRITE_OUT.pack(size, 0))
-            self.stats.writes += 1
+            with self._stats_lock:
+                self.stats.writes += 1
             if self.observe_write is not None:
                 self.observe_write(time.perf_counter() - t0)
             return None
@@ -425,7 +428,8 @@ class FuseFile:
         return self._reply_error(fd, unique, errno.ENOSYS)
 
     def _fail(self, fd: int, unique: int, exc: BaseException) -> None:
-        self.stats.errors += 1
+        with self._stats_lock:
+            self.stats.errors += 1
         self.stats.last_error = f"{type(exc).__name__}: {exc}"
         self._reply_error(fd, unique, self.errno_of(exc))
 
@@ -446,7 +450,8 @@ class FuseFile:
                 self.backend.zero(offset, length)
         except Exception as exc:
             return self._fail(fd, unique, exc)
-        self.stats.trims += 1
+        with self._stats_lock:
+            self.stats.trims += 1
         return self._reply(fd, unique)
 
     def _attr(self, nodeid: int) -> bytes | None:
