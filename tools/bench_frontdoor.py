@@ -1,7 +1,8 @@
 """Which FUSE binding serves the swap file fastest: the same in-memory file, each binding.
 
     .venv/bin/python tools/bench_frontdoor.py [--reads 4000] [--threads 2]
-        [--backends rawpy,llfuse,pyfuse3,cfloor,cfloor-mt] [--markdown]
+        [--backends rawpy,llfuse,pyfuse3,cfloor,cfloor-mt]
+    .venv/bin/python tools/bench_frontdoor.py --chain   # the real server, each front door
 
 Each backend serves one file (``device``, 64 MiB, a bytearray or a calloc'd buffer) in a
 process of its own; this process attaches a loop device to it with ``--direct-io=on`` (as
@@ -252,13 +253,92 @@ def run_backend(name: str, threads: int, reads: int, floor_exe: str | None) -> d
             os.rmdir(mnt)
 
 
+def chain_rows(reads: int, unit_pages: int = 16) -> list[tuple[str, dict]]:
+    """One agentzip server (nbdkit + plugin + fuse=), one store, one copy of the data; each
+    front door in turn: NBD (libnbd), nbdfuse's file and loop over it, the server's own FUSE
+    file and loop over it. No swap is attached."""
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+    sys.path.insert(0, HERE)
+    import bench_latency as bl
+    from nbdkit_server import start_server
+
+    from pathlib import Path
+
+    tmp = Path(tempfile.mkdtemp(prefix="azchain-"))
+    cfg = tmp / "config.yaml"
+    cfg.write_text(f"pool:\n  swap_out_path: {tmp / 'tier'}\ncompression:\n  dictionary: none\n"
+                   f"  unit_pages: {unit_pages}\n")
+    mnt = str(tmp / "mnt")
+    data, offs = bl.agent_pages(bl.DATA), bl.offsets()[:reads]
+    server = start_server(tmp, size=str(1 << 30), config=cfg, extra_keys=(f"fuse={mnt}",),
+                          wait_for=(os.path.join(mnt, "device"),))
+    rows: list[tuple[str, dict]] = []
+    loops: list[str] = []
+    nbdfuse = None
+    from agentzip_blk import control
+
+    def store_reads() -> tuple[int, float]:
+        r = control.request(server.control_socket, "stats")["latency"]["read"]
+        return r["count"], r["sum_s"]
+
+    def timed(call) -> dict:
+        """The reads, plus the mean time the server spent in store.readinto for them."""
+        c0, s0 = store_reads()
+        row = bl.time_calls(call, offs)
+        c1, s1 = store_reads()
+        row["store_mean_us"] = round((s1 - s0) / max(1, c1 - c0) * 1e6, 1)
+        return row
+
+    nmnt = str(tmp / "nbdfuse")
+    try:
+        fuse_file = os.path.join(mnt, "device")
+        bl.write_direct(fuse_file, data)
+        h, call = bl.nbd_reader(server.nbd_socket)
+        rows.append(("NBD: libnbd -> nbdkit -> plugin", timed(call)))
+        h.shutdown()
+        os.makedirs(nmnt)
+        nfile = os.path.join(nmnt, "nbd")
+        nbdfuse = subprocess.Popen(["nbdfuse", nfile, "--unix", server.nbd_socket],
+                                   stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while not os.path.exists(nfile) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for label, path in (("nbdfuse", nfile), ("in-process FUSE", fuse_file)):
+            fd, call = bl.direct_reader(path)
+            rows.append((f"{label}: the FUSE file (O_DIRECT)", timed(call)))
+            os.close(fd)
+            loop = subprocess.run(["losetup", "--direct-io=on", "--show", "-f", path],
+                                  capture_output=True, text=True, check=True).stdout.strip()
+            loops.append(loop)
+            fd, call = bl.direct_reader(loop)
+            rows.append((f"{label}: + loop device (O_DIRECT), the swap-in path", timed(call)))
+            os.close(fd)
+    finally:
+        for loop in loops:
+            subprocess.run(["losetup", "-d", loop], check=False)
+        for m in (nmnt, mnt):
+            if os.path.isdir(m) and is_mounted(m):
+                subprocess.run(["fusermount3", "-u", m], check=False)
+        if nbdfuse is not None:
+            try:
+                nbdfuse.wait(10)
+            except subprocess.TimeoutExpired:
+                nbdfuse.kill()
+                nbdfuse.wait()
+        server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--serve", nargs=2, metavar=("BACKEND", "MNT"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reads", type=int, default=4000)
     ap.add_argument("--backends", default=",".join(BACKENDS))
-    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--chain", action="store_true",
+                    help="the real server instead: one store behind each front door in turn")
+    ap.add_argument("--unit-pages", type=int, default=16, help="with --chain: compression.unit_pages")
     args = ap.parse_args()
     if args.serve:
         backend, mnt = args.serve
@@ -267,6 +347,17 @@ def main() -> None:
         return
     if os.geteuid() != 0:
         raise SystemExit("bench_frontdoor: run as root (mount, losetup)")
+    if args.chain:
+        rows = chain_rows(args.reads, args.unit_pages)
+        print(f"agentzip server, 64 MiB of agent-like pages (zstd 3, {args.unit_pages}-page units, no "
+              f"dictionary), {args.reads} O_DIRECT 4 KiB random reads, one at a time; "
+              f"{os.uname().release}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+        print("| front door | p50 us | p99 us | p99.9 us | mean us | of which store.readinto, "
+              "mean us |\n|---|---:|---:|---:|---:|---:|")
+        for name, r in rows:
+            print(f"| {name} | {r['p50_us']} | {r['p99_us']} | {r['p999_us']} | {r['mean_us']} "
+                  f"| {r['store_mean_us']} |")
+        return
     names = [b for b in args.backends.split(",") if b]
     tmp = tempfile.mkdtemp(prefix="azfront-build-")
     try:

@@ -336,16 +336,17 @@ class FuseFile:
                     self.backend.readinto(wview[OUT_HEADER.size:OUT_HEADER.size + size], offset)
             except Exception as exc:
                 return self._fail(fd, unique, exc)
+            elapsed = time.perf_counter() - t0
             OUT_HEADER.pack_into(wbuf, 0, OUT_HEADER.size + size, 0, unique)
             try:
                 os.write(fd, wview[:OUT_HEADER.size + size])
             except OSError as e:
                 if e.errno != errno.ENOENT:
                     raise
-            with self._stats_lock:
+            with self._stats_lock:  # latency.Histogram takes no lock of its own
                 self.stats.reads += 1
-            if self.observe_read is not None:
-                self.observe_read(time.perf_counter() - t0)
+                if self.observe_read is not None:
+                    self.observe_read(elapsed)
             return None
         if opcode == WRITE:
             _fh, offset, size = RW_IN.unpack_from(rbuf, arg)[:3]
@@ -359,11 +360,12 @@ class FuseFile:
                 self.backend.write(rview[data:data + size], offset)
             except Exception as exc:
                 return self._fail(fd, unique, exc)
+            elapsed = time.perf_counter() - t0
             self._reply(fd, unique, WRITE_OUT.pack(size, 0))
             with self._stats_lock:
                 self.stats.writes += 1
-            if self.observe_write is not None:
-                self.observe_write(time.perf_counter() - t0)
+                if self.observe_write is not None:
+                    self.observe_write(elapsed)
             return None
         if opcode == FALLOCATE:
             _fh, offset, length, mode = FALLOCATE_IN.unpack_from(rbuf, arg)[:4]
