@@ -161,8 +161,11 @@ def build_floor(out_dir: str) -> str:
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise SystemExit("bench_frontdoor: no C compiler for the C floor (apt-get install gcc)")
-    flags = subprocess.run(["pkg-config", "--cflags", "--libs", "fuse3"], capture_output=True,
-                           text=True, check=True).stdout.split()
+    try:
+        flags = subprocess.run(["pkg-config", "--cflags", "--libs", "fuse3"],
+                               capture_output=True, text=True, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):  # no pkg-config: Debian's paths
+        flags = ["-I/usr/include/fuse3", "-lfuse3", "-lpthread"]
     exe = os.path.join(out_dir, "fusefloor")
     subprocess.run([cc, "-O2", "-o", exe, os.path.join(HERE, "fusefloor.c"), *flags],
                    check=True)
@@ -359,6 +362,12 @@ def main() -> None:
                   f"| {r['store_mean_us']} |")
         return
     names = [b for b in args.backends.split(",") if b]
+    for name in ("llfuse", "pyfuse3"):  # optional: apt-get install python3-llfuse python3-pyfuse3
+        if name in names and subprocess.run([sys.executable, "-c", f"import {name}"],
+                                            capture_output=True).returncode != 0:
+            print(f"bench_frontdoor: {name} not installed (apt-get install python3-{name}); "
+                  "skipped", file=sys.stderr)
+            names.remove(name)
     tmp = tempfile.mkdtemp(prefix="azfront-build-")
     try:
         floor = build_floor(tmp) if any(n.startswith("cfloor") for n in names) else None
