@@ -363,3 +363,41 @@ def test_cli_up_swap_down_in_separate_processes_with_fuse(tmp_path):
         shutil.rmtree(run_dir, ignore_errors=True)
     assert left == []
     assert [a for a in system.swaps() if "loop" in a.filename] == []
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+@pytest.mark.skipif(not os.path.exists("/usr/include/fuse3/fuse_lowlevel.h"),
+                    reason="libfuse3-dev missing")
+def test_c_floor_serves_what_it_is_given(tmp_path, mnt):
+    """tools/fusefloor.c (the benchmarks' floor) is a correct file server, or its figure
+    would mean nothing."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import bench_frontdoor
+
+    exe = bench_frontdoor.build_floor(str(tmp_path))
+    proc = subprocess.Popen([exe, mnt, str(MiB)], stdin=subprocess.DEVNULL)
+    try:
+        path = os.path.join(mnt, "device")
+        deadline = time.monotonic() + 20
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            assert proc.poll() is None
+            time.sleep(0.05)
+        fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+        try:
+            data = os.urandom(2 * PAGE)
+            os.pwritev(fd, [aligned(data)], 3 * PAGE)
+            fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 4 * PAGE, PAGE)
+            out = mmap.mmap(-1, 2 * PAGE)
+            assert os.preadv(fd, [out], 3 * PAGE) == 2 * PAGE
+            assert out[:] == data[:PAGE] + bytes(PAGE)
+        finally:
+            os.close(fd)
+    finally:
+        if mounted(mnt):
+            subprocess.run(["fusermount3", "-u", mnt], check=False)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and not mounted(mnt)
