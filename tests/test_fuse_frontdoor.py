@@ -267,6 +267,43 @@ def test_server_stop_unmounts(tmp_path):
     assert not mounted(mnt), server.log_text()
 
 
+@needs_nbdkit
+@pytest.mark.nbdkit
+@pytest.mark.skipif(shutil.which("fio") is None, reason="fio missing (apt-get install fio)")
+def test_loop_device_over_the_door_passes_fio_verify(tmp_path):
+    """The swap path without swap: loop (--direct-io=on, as up attaches it) over the server's
+    FUSE file, fio at queue depth 32 with mixed request sizes, every block verified; then a
+    discard reaches the store as a trim."""
+    mnt = str(tmp_path / "mnt")
+    server = start_server(tmp_path, size="256M", extra_keys=(f"fuse={mnt}",),
+                          wait_for=(os.path.join(mnt, "device"),))
+    loop = None
+    try:
+        loop = subprocess.run(["losetup", "--direct-io=on", "--show", "-f",
+                               os.path.join(mnt, "device")], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        with open(f"/sys/block/{os.path.basename(loop)}/loop/dio") as f:
+            assert f.read().strip() == "1"
+        r = subprocess.run(["fio", "--name=swaplike", f"--filename={loop}", "--direct=1",
+                            "--ioengine=libaio", "--iodepth=32", "--rw=randrw",
+                            "--bssplit=4k/60:16k/20:64k/15:256k/5", "--size=96M",
+                            "--verify=crc32c", "--verify_fatal=1", "--do_verify=1"],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        before = control.request(server.control_socket, "stats")["trims"]
+        subprocess.run(["blkdiscard", "-o", "0", "-l", str(16 * MiB), loop], check=True)
+        stats = control.request(server.control_socket, "stats")
+        assert stats["trims"] > before and stats["errors"] == 0
+        assert stats["server"]["fuse"]["errors"] == 0
+    finally:
+        if loop:
+            subprocess.run(["losetup", "-d", loop], check=False)
+        if mounted(mnt):
+            subprocess.run(["fusermount3", "-u", mnt], check=False)
+        server.stop()
+    assert not mounted(mnt)
+
+
 # -- what the operator runs: three processes --------------------------------------------------
 
 WORKLOAD = r"""
