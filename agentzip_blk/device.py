@@ -1,4 +1,4 @@
-"""Attach and detach the swap device: nbdkit -> (kernel nbd | nbdfuse + loop) -> swap.
+"""Attach and detach the swap device: nbdkit -> (kernel nbd | FUSE file + loop) -> swap.
 
 State lives in a run directory (``config.device.run_dir``, default /run/agentzip)
 so that ``status`` and ``down`` work from any shell::
@@ -7,11 +7,12 @@ so that ``status`` and ``down`` work from any shell::
     RUN/nbd.sock        nbdkit's NBD unix socket
     RUN/control.sock    the plugin's JSON control socket
     RUN/nbdkit.{pid,log}, RUN/nbdfuse.{pid,log}
-    RUN/mnt/nbd         the nbdfuse file that backs the loop device
+    RUN/mnt/device      the FUSE file nbdkit itself serves (device.frontend fuse), or
+    RUN/mnt/nbd         the nbdfuse file (device.frontend nbdfuse); either backs the loop device
 
 ``up`` starts nbdkit (``--swap``: mlockall) in its own session, attaches the
-device (kernel nbd + ``nbd-client -swap`` when /dev/nbd0 exists, else nbdfuse +
-``losetup --direct-io=on``), runs ``mkswap`` and ``swapon --discard=pages -p
+device (kernel nbd + ``nbd-client -swap`` when /dev/nbd0 exists, else ``losetup
+--direct-io=on`` over the FUSE file the server mounts itself, or over nbdfuse's), runs ``mkswap`` and ``swapon --discard=pages -p
 PRIO``. A failure midway rolls back what was done. ``down`` undoes it in the
 safe order: swapoff, ``losetup -d`` / ``nbd-client -d``, ``fusermount3 -u``,
 stop nbdkit. Nothing here stops the server while /proc/swaps lists our device.
