@@ -55,7 +55,8 @@ class RunningServer:
 
 
 def start_server(tmp: Path, size: str = "64M", config: Path | None = None,
-                 timeout: float = 20.0) -> RunningServer:
+                 timeout: float = 20.0, extra_keys: tuple[str, ...] = (),
+                 wait_for: tuple[str, ...] = ()) -> RunningServer:
     nbd_socket = str(tmp / "nbd.sock")
     control_socket = str(tmp / "control.sock")
     log = tmp / "nbdkit.log"
@@ -64,7 +65,7 @@ def start_server(tmp: Path, size: str = "64M", config: Path | None = None,
         config = tmp / "config.yaml"
         config.write_text(f"pool:\n  swap_out_path: {tmp / 'disk-tier'}\n")
     cmd = ["nbdkit", "-f", "-U", nbd_socket, "python", str(PLUGIN), f"size={size}",
-           f"control={control_socket}", f"config={config}"]
+           f"control={control_socket}", f"config={config}", *extra_keys]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=plugin_env())
     server = RunningServer(proc, nbd_socket, control_socket, log)
@@ -72,7 +73,7 @@ def start_server(tmp: Path, size: str = "64M", config: Path | None = None,
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"nbdkit exited {proc.returncode}: {server.log_text()}")
-        if os.path.exists(nbd_socket) and os.path.exists(control_socket):
+        if all(os.path.exists(p) for p in (nbd_socket, control_socket, *wait_for)):
             return server
         time.sleep(0.05)
     server.stop()

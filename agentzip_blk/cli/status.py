@@ -29,13 +29,19 @@ def _status_text(st: dict) -> str:
                          f"size {fmt(srv['size'])}, plugin {srv['plugin']}")
         else:
             lines.append(f"server    nbdkit pid {srv['pid']} NOT running")
+        if st["mode"] == "fuse" and st["nbdfuse"] is None:
+            mnt = st["mount"] or {}
+            lines.append(f"fuse      served by nbdkit, {mnt.get('file')} "
+                         f"{'mounted' if mnt.get('mounted') else 'NOT mounted'}")
         if st["mode"] == "fuse":
             fz = st["nbdfuse"] or {}
             mnt = st["mount"] or {}
-            lines.append(f"nbdfuse   pid {fz.get('pid')} "
-                         f"{'running' if fz.get('alive') else 'NOT running'}"
-                         f"{', memory locked' if fz.get('locked') else ''}, "
-                         f"{mnt.get('file')} {'mounted' if mnt.get('mounted') else 'NOT mounted'}")
+            if st["nbdfuse"] is not None:
+                lines.append(f"nbdfuse   pid {fz.get('pid')} "
+                             f"{'running' if fz.get('alive') else 'NOT running'}"
+                             f"{', memory locked' if fz.get('locked') else ''}, "
+                             f"{mnt.get('file')} "
+                             f"{'mounted' if mnt.get('mounted') else 'NOT mounted'}")
             lp = st["loop"]
             if lp:
                 dio = {True: "on", False: "OFF", None: "?"}[lp["dio"]]

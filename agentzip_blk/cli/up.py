@@ -36,8 +36,10 @@ def cmd_up(args) -> int:
     state = attach.up(config, args.config, run_dir, args.priority, size, plugin=args.plugin,
                       allow_zswap=args.allow_zswap, timeout=args.timeout,
                       mlock=not args.no_mlock)
-    via = (f"nbdfuse pid {state.nbdfuse_pid} + {state.loop_device} (direct I/O)"
-           if state.mode == "fuse" else f"kernel nbd {state.nbd_device}")
+    via = (f"kernel nbd {state.nbd_device}" if state.mode == "nbd" else
+           f"nbdfuse pid {state.nbdfuse_pid} + {state.loop_device} (direct I/O)"
+           if state.frontend == "nbdfuse" else
+           f"its FUSE file {state.fuse_file} + {state.loop_device} (direct I/O)")
     print(f"{state.device}: swap on, {fmt(state.size)}, priority {state.swap_priority}; "
           f"nbdkit pid {state.nbdkit_pid}, {via}; run dir {run_dir}")
     if args.tune:

@@ -21,7 +21,8 @@ import yaml
 
 from ..errors import ConfigError
 from .quantities import parse_duration, parse_size
-from .schema import (ALGORITHMS, DEFAULT_CONFIG_PATH, DICTIONARY_MODES, KEY_ALIASES, LEVEL_RANGES,
+from .schema import (ALGORITHMS, DEFAULT_CONFIG_PATH, DICTIONARY_MODES, FRONTENDS, KEY_ALIASES,
+                     LEVEL_RANGES,
                      MAX_FRAME_PAGES, MIN_SIZE, SUPPORTED_PAGE_SIZE, SWAP_PRIORITY_RANGE,
                      CompressionConfig, Config, DeviceConfig, PolicyConfig, PoolConfig, Scope,
                      default_scopes)
@@ -238,7 +239,14 @@ def _parse_device(value: Any) -> DeviceConfig:
         swap_priority=_int(data.get("swap_priority", d.swap_priority), "device.swap_priority", lo, hi),
         run_dir=_abs_path(data.get("run_dir", d.run_dir), "device.run_dir"),
         rotational=_bool(data.get("rotational", d.rotational), "device.rotational"),
+        frontend=_frontend(data.get("frontend", d.frontend)),
     )
+
+
+def _frontend(value: Any) -> str:
+    if not isinstance(value, str) or value not in FRONTENDS:
+        raise ConfigError(f"device.frontend: {value!r} is not one of {' | '.join(FRONTENDS)}")
+    return value
 
 
 def parse_config(data: Mapping[str, Any], *,

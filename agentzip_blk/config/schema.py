@@ -77,6 +77,13 @@ class DeviceConfig:
     # and are charged to their cgroups, and a load run with it ended in OOM kills
     # (BENCHMARKS.md): opt-in until measured properly.
     rotational: bool = False
+    # How the kernel reaches the server: kernel nbd (/dev/nbdN), or a loop device over a file
+    # served by FUSE from the server process itself ("fuse"), or by nbdfuse over NBD
+    # ("nbdfuse", the old chain, kept for comparison). auto: nbd where /dev/nbd0 exists.
+    frontend: str = "auto"
+
+
+FRONTENDS = ("auto", "fuse", "nbdfuse", "nbd")
 
 
 def default_scopes() -> list[Scope]:

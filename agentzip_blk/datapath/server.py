@@ -24,7 +24,7 @@ from . import latency, protect
 from .control import ControlServer
 from .guard import SignalGuard
 
-PLUGIN_KEYS = ("config", "size", "control")
+PLUGIN_KEYS = ("config", "size", "control", "fuse", "fuse_threads")
 
 
 @dataclass
@@ -32,6 +32,8 @@ class ServerOptions:
     config_path: str | None = None
     size: int | None = None
     control: str | None = None
+    fuse: str | None = None  # mount point of the FUSE front door (datapath.fuse)
+    fuse_threads: int | None = None
 
     @classmethod
     def from_keys(cls, keys: dict[str, str]) -> ServerOptions:
@@ -41,7 +43,9 @@ class ServerOptions:
                 f"unknown plugin key(s) {', '.join(sorted(unknown))} (known: {', '.join(PLUGIN_KEYS)})"
             )
         size = parse_size(keys["size"]) if "size" in keys else None
-        return cls(config_path=keys.get("config"), size=size, control=keys.get("control"))
+        threads = int(keys["fuse_threads"]) if "fuse_threads" in keys else None
+        return cls(config_path=keys.get("config"), size=size, control=keys.get("control"),
+                   fuse=keys.get("fuse"), fuse_threads=threads)
 
 
 @dataclass
@@ -64,6 +68,7 @@ class Server:
         self.store: PageStore | None = None
         self.control: ControlServer | None = None
         self.maintainer: Maintainer | None = None
+        self.fuse = None  # datapath.fuse.FuseFile when the fuse= key is given
         self.protection = Protection()
         self.latency = latency.Latency()  # pread/pwrite/trim/zero time themselves into it
         self.started = time.time()
@@ -96,8 +101,18 @@ class Server:
         if self.options.control:
             self.control = ControlServer(self.options.control, self.handlers())
             self.control.start()
+        if self.options.fuse:
+            self._start_fuse()
+
+    def _start_fuse(self) -> None:
+        from . import fuse
+
+        threads = self.options.fuse_threads or fuse.DEFAULT_THREADS
+        self.fuse = fuse.serve_server(self, self.options.fuse, threads)
 
     def stop(self) -> None:
+        if self.fuse is not None:
+            self.fuse.stop()  # unmounts (lazily if the loop device still holds it)
         if self.control is not None:
             self.control.stop()
         if self.maintainer is not None:
@@ -216,6 +231,10 @@ class Server:
             "maintenance_rounds": self.maintainer.rounds if self.maintainer else 0,
             "maintenance_error": self.maintainer.last_error if self.maintainer else None,
         }
+        if self.fuse is not None:
+            from . import fuse
+
+            stats["server"]["fuse"] = fuse.describe(self.fuse)
         return stats
 
 

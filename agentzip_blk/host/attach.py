@@ -20,7 +20,8 @@ from .. import procfs
 from ..config.quantities import format_bytes
 from ..errors import DeviceError, SetupError
 from . import facts
-from .chain import check_up_preconditions, liveness, teardown, up_steps, write_effective_config
+from .chain import (check_up_preconditions, liveness, resolve_frontend, teardown, up_steps,
+                    write_effective_config)
 from .health import health
 from .procs import STOPPED_STATES, ours_alive, wait_gone
 from .runstate import (DEFAULT_PRIORITY, STATE_FILE, RunState, config_device, locked,
@@ -59,12 +60,13 @@ def up(config=None, config_path: str | None = None, run_dir: str | None = None,
        priority: int | None = None, size: int | None = None, *, plugin: str | None = None,
        allow_zswap: bool = False, tools: dict | None = None, kernel_nbd: bool | None = None,
        timeout: float = 30.0, mlock: bool = True,
-       fail_after: str | None = None) -> RunState:
+       fail_after: str | None = None, frontend: str | None = None) -> RunState:
     """Start the server and attach it as swap. Returns the saved RunState.
 
     ``plugin``: path of a Python plugin (default: the package's datapath/nbdkit_plugin.py) or
     an nbdkit plugin name such as ``memory`` (tests). ``tools`` overrides tool names/paths.
     ``kernel_nbd`` forces the attach mode (default: kernel nbd when /dev/nbd0 exists).
+    ``frontend`` overrides ``device.frontend`` (auto | fuse | nbdfuse | nbd).
     ``mlock``: lock the chain's memory. Our plugin locks the server itself
     (mlockall(MCL_CURRENT|MCL_FUTURE|MCL_ONFAULT), whatever ``mlock`` says); ``mlock`` adds
     the preload library that locks nbdfuse, and ``--swap`` for a named nbdkit plugin (which
@@ -87,8 +89,10 @@ def up(config=None, config_path: str | None = None, run_dir: str | None = None,
     if kernel_nbd is None:
         kernel_nbd = facts.nbd_kernel_available()
     plugin = plugin or default_plugin_path()
+    frontend = resolve_frontend(config, frontend, kernel_nbd, plugin)
+    kernel_nbd = frontend == "nbd"
     check_up_preconditions(allow_zswap=allow_zswap, plugin=plugin, tools=tools,
-                           kernel_nbd=kernel_nbd)
+                           kernel_nbd=kernel_nbd, frontend=frontend)
     nbd_socket = os.path.join(run_dir, "nbd.sock")
     if len(nbd_socket.encode()) > 100:
         raise SetupError(f"run directory path too long for a unix socket: {run_dir}")
@@ -116,7 +120,8 @@ def up(config=None, config_path: str | None = None, run_dir: str | None = None,
                          control_socket=control,
                          config_path=os.path.abspath(config_path) if config_path else None,
                          size=size, swap_priority=priority,
-                         mode="nbd" if kernel_nbd else "fuse", tools=tools, mlock=mlock,
+                         mode="nbd" if kernel_nbd else "fuse", frontend=frontend,
+                         tools=tools, mlock=mlock,
                          rotational=bool(config is not None and config.device.rotational))
         state.save()
         try:

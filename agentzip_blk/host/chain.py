@@ -292,20 +292,49 @@ def teardown(state: RunState, timeout: float = 30.0,
                 os.unlink(sock)
 
 
-def required_tools(kernel_nbd: bool | None = None, tools: dict | None = None) -> list[str]:
+def required_tools(kernel_nbd: bool | None = None, tools: dict | None = None,
+                   frontend: str | None = None) -> list[str]:
     tools = {**TOOLS, **(tools or {})}
     if kernel_nbd is None:
         kernel_nbd = facts.nbd_kernel_available()
+    if frontend is None:
+        frontend = "nbd" if kernel_nbd else "nbdfuse"
     names = ["nbdkit", "mkswap", "swapon", "swapoff"]
-    names += ["nbd-client"] if kernel_nbd else ["nbdfuse", "fusermount3", "losetup"]
+    names += {"nbd": ["nbd-client"], "fuse": ["fusermount3", "losetup"]}.get(
+        frontend, ["nbdfuse", "fusermount3", "losetup"])
     return [tools[n] for n in names]
 
 
+def resolve_frontend(config=None, frontend: str | None = None, kernel_nbd: bool | None = None,
+                     plugin: str | None = None) -> str:
+    """device.frontend (or ``frontend``) made concrete: "nbd", "fuse" or "nbdfuse".
+
+    auto: kernel nbd where /dev/nbd0 exists, else the server's own FUSE file; a plugin that
+    is not ours (nbdkit's memory plugin in tests) cannot serve FUSE, so nbdfuse serves it."""
+    if frontend is None:
+        dev = getattr(config, "device", None) if config is not None else None
+        frontend = getattr(dev, "frontend", None) or "auto"
+    if frontend == "auto":
+        if kernel_nbd is None:
+            kernel_nbd = facts.nbd_kernel_available()
+        if kernel_nbd:
+            return "nbd"
+        return "fuse" if plugin is None or is_python_plugin(plugin) else "nbdfuse"
+    if frontend not in ("nbd", "fuse", "nbdfuse"):
+        raise SetupError(f"device.frontend: {frontend!r} is not one of auto | fuse | nbdfuse | nbd")
+    if frontend == "nbd" and kernel_nbd is False:
+        raise SetupError("device.frontend is nbd but the kernel has no nbd driver (/dev/nbd0)")
+    if frontend == "fuse" and plugin is not None and not is_python_plugin(plugin):
+        raise SetupError(f"device.frontend fuse needs the agentzip plugin, not {plugin!r}")
+    return frontend
+
+
 def check_up_preconditions(*, allow_zswap: bool = False, plugin: str | None = None,
-                           tools: dict | None = None, kernel_nbd: bool | None = None) -> None:
+                           tools: dict | None = None, kernel_nbd: bool | None = None,
+                           frontend: str | None = None) -> None:
     """Raise SetupError when ``up`` cannot work here (non-root, missing tools, zswap)."""
     facts.require_root("agentzip-blk up")
-    facts.require_tools(required_tools(kernel_nbd, tools))
+    facts.require_tools(required_tools(kernel_nbd, tools, frontend))
     if plugin is None or is_python_plugin(plugin):
         facts.require_nbdkit_plugin("python", (tools or {}).get("nbdkit", TOOLS["nbdkit"]))
         path = plugin or default_plugin_path()
@@ -348,11 +377,15 @@ def up_steps(state: RunState, timeout: float, fail_after: str | None) -> None:
     argv = server_command(state.plugin, state.nbd_socket, state.control_socket, pidfile,
                           state.config_path, state.size, foreground=True, nbdkit=nbdkit,
                           mlock=state.mlock)
+    if state.frontend == "fuse":
+        argv += _fuse_frontend_keys(state)
     log = os.path.join(run_dir, "nbdkit.log")
     proc = spawn(argv, log, env=plugin_env())
     state.nbdkit_pid = proc.pid
     state.save()
     ready = [state.nbd_socket] + ([state.control_socket] if state.control_socket else [])
+    if state.frontend == "fuse":
+        ready.append(state.fuse_file)  # mounted and answering once its lookup succeeds
     wait_ready(proc, pidfile, ready, timeout, "nbdkit", log)
     if state.control_socket:
         server_request(state, "health", timeout)  # serving, not only listening
@@ -367,62 +400,90 @@ def up_steps(state: RunState, timeout: float, fail_after: str | None) -> None:
         state.nbd_device = dev
         state.save()
         run_tool([resolve_tool("nbd-client", tools), "-unix", state.nbd_socket, dev,
-              "-block-size", "4096", "-swap"], timeout=timeout, what=f"nbd-client {dev}")
+                  "-block-size", "4096", "-swap"], timeout=timeout, what=f"nbd-client {dev}")
         state.device = dev
         state.save()
     else:
-        mnt = os.path.join(run_dir, "mnt")
-        os.makedirs(mnt, mode=0o700, exist_ok=True)
-        if is_mounted(mnt):
-            raise DeviceError(f"{mnt} is already a mount point: fusermount3 -u {mnt}")
-        state.mountpoint = mnt
-        state.fuse_file = os.path.join(mnt, "nbd")
-        fuse_pidfile = os.path.join(run_dir, "nbdfuse.pid")
-        flog = os.path.join(run_dir, "nbdfuse.log")
-        fenv = None
-        shim = _build_mlock_shim(run_dir) if state.mlock else None
-        if shim:
-            fenv = dict(os.environ)
-            fenv["LD_PRELOAD"] = (shim + " " + fenv["LD_PRELOAD"]).strip() \
-                if fenv.get("LD_PRELOAD") else shim
-        fproc = spawn([resolve_tool("nbdfuse", tools), "-P", fuse_pidfile, state.fuse_file,
-                        "--unix", state.nbd_socket], flog, env=fenv)
-        state.nbdfuse_pid = fproc.pid
-        state.save()
-        wait_ready(fproc, fuse_pidfile, [], timeout, "nbdfuse", flog)
-        state.oom_protected = procs.set_oom_score_adj(fproc.pid, -1000) and state.oom_protected
-        state.nbdfuse_locked = procfs.process_locked(fproc.pid) > 0
-        state.save()
-        st = os.stat(state.fuse_file)
-        if st.st_size != state.size:
-            raise DeviceError(f"{state.fuse_file} has size {st.st_size}, expected {state.size}")
-        inject("nbdfuse", fail_after)
+        if state.frontend == "nbdfuse":
+            _start_nbdfuse(state, timeout)
+        _attach_loop(state, timeout, fail_after)
 
-        out = run_tool([resolve_tool("losetup", tools), "--direct-io=on", "--show", "-f",
+    # 3. mkswap + swapon
+    _swapon(state, timeout, fail_after)
+
+
+def _mountpoint(state: RunState, file_name: str) -> None:
+    mnt = os.path.join(state.run_dir, "mnt")
+    os.makedirs(mnt, mode=0o700, exist_ok=True)
+    if is_mounted(mnt):
+        raise DeviceError(f"{mnt} is already a mount point: fusermount3 -u {mnt}")
+    state.mountpoint = mnt
+    state.fuse_file = os.path.join(mnt, file_name)
+    state.save()
+
+
+def _fuse_frontend_keys(state: RunState) -> list[str]:
+    """Plugin keys for the in-process FUSE front door: the server mounts RUN/mnt and serves
+    RUN/mnt/device itself (agentzip_blk.datapath.fuse) right after nbdkit starts."""
+    _mountpoint(state, "device")
+    return [f"fuse={state.mountpoint}"]
+
+
+def _start_nbdfuse(state: RunState, timeout: float) -> None:
+    run_dir, tools = state.run_dir, state.tools
+    _mountpoint(state, "nbd")
+    fuse_pidfile = os.path.join(run_dir, "nbdfuse.pid")
+    flog = os.path.join(run_dir, "nbdfuse.log")
+    fenv = None
+    shim = _build_mlock_shim(run_dir) if state.mlock else None
+    if shim:
+        fenv = dict(os.environ)
+        fenv["LD_PRELOAD"] = (shim + " " + fenv["LD_PRELOAD"]).strip() \
+            if fenv.get("LD_PRELOAD") else shim
+    fproc = spawn([resolve_tool("nbdfuse", tools), "-P", fuse_pidfile, state.fuse_file,
+                   "--unix", state.nbd_socket], flog, env=fenv)
+    state.nbdfuse_pid = fproc.pid
+    state.save()
+    wait_ready(fproc, fuse_pidfile, [], timeout, "nbdfuse", flog)
+    state.oom_protected = procs.set_oom_score_adj(fproc.pid, -1000) and state.oom_protected
+    state.nbdfuse_locked = procfs.process_locked(fproc.pid) > 0
+    state.save()
+
+
+def _attach_loop(state: RunState, timeout: float, fail_after: str | None) -> None:
+    st = os.stat(state.fuse_file)
+    if st.st_size != state.size:
+        raise DeviceError(f"{state.fuse_file} has size {st.st_size}, expected {state.size}")
+    inject(state.frontend, fail_after)
+
+    out = run_tool([resolve_tool("losetup", state.tools), "--direct-io=on", "--show", "-f",
                     state.fuse_file], timeout=timeout, what="losetup")
-        loop = out.strip().splitlines()[-1].strip() if out.strip() else ""
-        if not loop.startswith("/dev/loop"):
-            raise DeviceError(f"losetup printed no loop device: {out!r}")
-        state.loop_device = state.device = loop
-        state.save()
-        if loop_dio(loop) is not True:
-            raise DeviceError(f"direct I/O is off on {loop} (/sys/block/{loop_name(loop)}/"
-                              "loop/dio): without it every swapped page also stays in the "
-                              "page cache and no memory is saved")
-        if state.rotational:
-            _mark_rotational(loop)
-        inject("losetup", fail_after)
+    loop = out.strip().splitlines()[-1].strip() if out.strip() else ""
+    if not loop.startswith("/dev/loop"):
+        raise DeviceError(f"losetup printed no loop device: {out!r}")
+    state.loop_device = state.device = loop
+    state.save()
+    if loop_dio(loop) is not True:
+        raise DeviceError(f"direct I/O is off on {loop} (/sys/block/{loop_name(loop)}/"
+                          "loop/dio): without it every swapped page also stays in the "
+                          "page cache and no memory is saved")
+    if state.rotational:
+        _mark_rotational(loop)
+    inject("losetup", fail_after)
 
-    # 3. mkswap + swapon, the server told first which device it must not die under
+
+def _swapon(state: RunState, timeout: float, fail_after: str | None) -> None:
+    """mkswap + swapon, the server told first which device it must not die under."""
+    tools = state.tools
     run_tool([resolve_tool("mkswap", tools), "-L", SWAP_LABEL, state.device], timeout=timeout,
-         what=f"mkswap {state.device}")
+             what=f"mkswap {state.device}")
     state.mkswap_done = True
     state.save()
     inject("mkswap", fail_after)
     if state.control_socket:
         server_request(state, "guard", timeout, device=state.device)
     run_tool([resolve_tool("swapon", tools), "--discard=pages", "-p", str(state.swap_priority),
-          state.device], timeout=timeout, what=f"swapon {state.device}")
+              state.device], timeout=timeout, what=f"swapon {state.device}")
     if procfs.swap_area(state.device) is None:
         raise DeviceError(f"swapon succeeded but {state.device} is not in /proc/swaps")
     state.swap_on = True

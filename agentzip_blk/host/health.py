@@ -43,7 +43,7 @@ def status(run_dir: str | None = None, *, config=None,
                          "socket": state.nbd_socket, "control": state.control_socket,
                          "plugin": state.plugin, "size": state.size,
                          "started": state.started}
-        if state.mode == "fuse":
+        if state.mode == "fuse" and state.frontend == "nbdfuse":
             falive = ours_alive(state.nbdfuse_pid, state.tool("nbdfuse"), state.fuse_file)
             out["nbdfuse"] = {"pid": state.nbdfuse_pid, "alive": falive,
                               "rss": procfs.process_rss(state.nbdfuse_pid) if falive else 0,
@@ -52,6 +52,7 @@ def status(run_dir: str | None = None, *, config=None,
                 warnings.append("nbdfuse's memory is not locked (no C compiler for the mlock "
                                 "shim?): under heavy pressure it can swap onto its own device "
                                 "and deadlock; apt-get install gcc and re-run up")
+        if state.mode == "fuse":
             out["mount"] = {"path": state.mountpoint, "file": state.fuse_file,
                             "mounted": is_mounted(state.mountpoint)}
             if state.loop_device:

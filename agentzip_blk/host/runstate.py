@@ -52,7 +52,10 @@ class RunState:
     config_path: str | None = None
     size: int = 0
     swap_priority: int = DEFAULT_PRIORITY
-    mode: str = "fuse"              # "fuse" (nbdfuse + loop) or "nbd" (kernel nbd)
+    mode: str = "fuse"              # "fuse" (loop over a FUSE file) or "nbd" (kernel nbd)
+    # who serves the FUSE file: "fuse" (the server itself, datapath.fuse) or "nbdfuse";
+    # "nbd" in nbd mode. The default is what state files written before the key meant.
+    frontend: str = "nbdfuse"
     nbdkit_pid: int | None = None
     nbdfuse_pid: int | None = None
     mountpoint: str | None = None

@@ -151,6 +151,7 @@ def valid_configs(draw):
             "swap_priority": draw(st.integers(-1, 32767)),
             "run_dir": "/run/" + draw(st.from_regex(r"[a-z]{1,8}", fullmatch=True)),
             "rotational": draw(st.booleans()),
+            "frontend": draw(st.sampled_from(["auto", "fuse", "nbdfuse", "nbd"])),
         },
     }
 
@@ -517,3 +518,9 @@ def test_unit_pages_is_the_old_name_of_frame_pages(tmp_path):
     new.write_text("compression:\n  frame_pages: 8\n")
     assert old_key_names(old) == [("compression.unit_pages", "compression.frame_pages")]
     assert old_key_names(new) == [] and old_key_names(tmp_path / "absent.yaml") == []
+
+
+@pytest.mark.parametrize("value", ["kernel", "", 1, None, ["fuse"]])
+def test_device_frontend_must_be_known(value):
+    with pytest.raises(ConfigError, match="device.frontend"):
+        parse_config({"device": {"frontend": value}})

@@ -64,17 +64,26 @@ def run_dir(tmp_path_factory):
     shutil.rmtree(path, ignore_errors=True)
 
 
-def config_for(tmp_path, **pool) -> Config:
+@pytest.fixture(params=["fuse", "nbdfuse"])
+def frontend(request) -> str:
+    """Each front end a host without kernel nbd has: the server's own FUSE file, nbdfuse."""
+    if system.nbd_kernel_available():
+        pytest.skip("kernel nbd host: the FUSE front ends are not what up picks")
+    return request.param
+
+
+def config_for(tmp_path, frontend="auto", **pool) -> Config:
     cfg = Config()
     cfg.device.size = 2 << 30
+    cfg.device.frontend = frontend
     cfg.pool.swap_out_path = str(tmp_path / "disk-tier")
     for key, value in pool.items():
         setattr(cfg.pool, key, value)
     return cfg
 
 
-def test_workload_swaps_100mb_through_the_device_and_verifies(tmp_path, run_dir):
-    cfg = config_for(tmp_path)
+def test_workload_swaps_100mb_through_the_device_and_verifies(tmp_path, run_dir, frontend):
+    cfg = config_for(tmp_path, frontend)
     result = demo.run_squeeze("agentzip", 200, config=cfg, run_dir=run_dir,
                               progress=demo.Progress(quiet=True))
     assert result.get("error") is None, result.get("error")
@@ -86,15 +95,18 @@ def test_workload_swaps_100mb_through_the_device_and_verifies(tmp_path, run_dir)
     assert stats["orig_mem"] == stats["pages"] * stats["page_size"]
     assert 0 < stats["stored_mem"] < stats["orig_mem"]
     assert stats["errors"] == stats["enospc"] == 0
+    if frontend == "fuse":  # every swap request came through the server's own FUSE file
+        door = result["after"]["device"]["server"]["fuse"]
+        assert door["writes"] > 0 and door["reads"] > 0 and door["errors"] == 0
     # The server's memory grew by about what the store says it holds (honest accounting).
     growth = result["server_rss_growth"]
     assert growth <= stats["stored_mem"] + 32 * MiB
     assert result["swaps_after_teardown"] == []
 
 
-def test_pool_cap_spills_cold_pages_to_the_disk_tier(tmp_path, run_dir):
+def test_pool_cap_spills_cold_pages_to_the_disk_tier(tmp_path, run_dir, frontend):
     cap = 16 * MiB
-    cfg = config_for(tmp_path, max_size=cap, reclaim_threshold=75)
+    cfg = config_for(tmp_path, frontend, max_size=cap, reclaim_threshold=75)
     cfg.policy.cold_grace_period = 0.5
     result = demo.run_squeeze("agentzip", 160, config=cfg, run_dir=run_dir,
                               progress=demo.Progress(quiet=True))

@@ -44,11 +44,12 @@ pytestmark = [
 class Operator:
     """One run dir and config; every CLI call a separate process, as a shell would make it."""
 
-    def __init__(self, root: Path, pool: dict | None = None, policy: dict | None = None):
+    def __init__(self, root: Path, pool: dict | None = None, policy: dict | None = None,
+                 frontend: str = "auto"):
         self.root = root
         self.run_dir = str(root / "run")
         self.config = str(root / "config.yaml")
-        cfg = {"device": {"size": "2GB", "run_dir": self.run_dir},
+        cfg = {"device": {"size": "2GB", "run_dir": self.run_dir, "frontend": frontend},
                "pool": {"swap_out_path": str(root / "tier"), **(pool or {})}}
         if policy:
             cfg["policy"] = policy
@@ -150,11 +151,12 @@ def verify(wl: Workload) -> None:
     assert parts[1] == "ok", parts
 
 
-@pytest.mark.parametrize("spill", [False, True], ids=["default", "pool-cap-spills-to-disk"])
-def test_up_exits_workload_squeezed_down_separately(operator, spill):
+@pytest.mark.parametrize("spill,frontend", [(False, "auto"), (True, "auto"), (False, "nbdfuse")],
+                         ids=["default", "pool-cap-spills-to-disk", "nbdfuse"])
+def test_up_exits_workload_squeezed_down_separately(operator, spill, frontend):
     pool = {"max_size": "16MB", "reclaim_threshold": 75} if spill else None
     policy = {"cold_grace_period": "0.5s"} if spill else None
-    op = operator(pool=pool, policy=policy)
+    op = operator(pool=pool, policy=policy, frontend=frontend)
     up = op.run("up")
     assert "swap on" in up.stdout
     nbdkit_pid, nbdfuse_pid = op.pids()
@@ -188,29 +190,32 @@ def test_up_exits_workload_squeezed_down_separately(operator, spill):
     assert not procs.pid_alive(nbdkit_pid) and not procs.pid_alive(nbdfuse_pid)
 
 
-def test_polite_signals_are_refused_during_swap_traffic(operator):
-    op = operator()
+@pytest.mark.parametrize("frontend", ["auto", "nbdfuse"])
+def test_polite_signals_are_refused_during_swap_traffic(operator, frontend):
+    op = operator(frontend=frontend)
     op.run("up")
     nbdkit_pid, nbdfuse_pid = op.pids()
+    assert (nbdfuse_pid is not None) == (frontend == "nbdfuse")  # auto: no helper process
     wl = op.workload("signals", mb=160)
     assert op.squeeze(wl) >= 64 * MiB
     lift(wl)
     wl.send("CHECK")  # swap-in traffic while the signals arrive
     time.sleep(0.3)
-    for pid in (nbdkit_pid, nbdfuse_pid):
+    for pid in (p for p in (nbdkit_pid, nbdfuse_pid) if p):
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGPIPE):
             os.kill(pid, sig)
             time.sleep(0.05)
     parts = wl.expect("CHECK", timeout=600)
     assert parts[1] == "ok", parts
-    assert procs.pid_alive(nbdkit_pid) and procs.pid_alive(nbdfuse_pid)
+    assert procs.pid_alive(nbdkit_pid) and (not nbdfuse_pid or procs.pid_alive(nbdfuse_pid))
     code, st = op.status()
     assert code == 0 and st["healthy"], st["health"]
     stats = json.loads(op.run("stats", "--json").stdout)
     refused = stats["server"]["signals_refused"]
     assert all(refused.get(name, 0) >= 1 for name in ("SIGTERM", "SIGHUP", "SIGINT")), refused
-    fuse_log = Path(op.run_dir, "nbdfuse.log").read_text()
-    assert fuse_log.count("nbdfuse refused a signal") >= 3
+    if nbdfuse_pid:
+        fuse_log = Path(op.run_dir, "nbdfuse.log").read_text()
+        assert fuse_log.count("nbdfuse refused a signal") >= 3
     verify(wl)
 
 

@@ -24,7 +24,7 @@ import time
 import pytest
 
 from agentzip_blk import cli, errors, procfs
-from agentzip_blk.host import attach, facts, health, procs, runstate
+from agentzip_blk.host import attach, chain, facts, health, procs, runstate
 from agentzip_blk.host.chain import teardown
 from agentzip_blk.host.servercmd import default_plugin_path, nbdkit_command, plugin_env
 
@@ -144,23 +144,37 @@ def emergency_teardown(run_dir: str) -> None:
 
 
 def _plugin_params():
+    """(plugin, front end) pairs: nbdkit's memory plugin behind nbdfuse, and ours behind
+    each front end that a host without kernel nbd has (its own FUSE file, nbdfuse)."""
     wanted = os.environ.get("AGENTZIP_TEST_PLUGINS", "memory,agentzip").split(",")
     params = []
     if "memory" in wanted:
-        params.append(pytest.param("memory", id="memory"))
+        params.append(pytest.param(("memory", "nbdfuse"), id="memory"))
     if "agentzip" in wanted:
         path = default_plugin_path()
-        params.append(pytest.param(
-            path, id="agentzip",
-            marks=pytest.mark.skipif(not os.path.isfile(path),
-                                     reason=f"{path} not written yet")))
+        for frontend, pid in (("fuse", "agentzip-fuse"), ("nbdfuse", "agentzip-nbdfuse")):
+            params.append(pytest.param(
+                (path, frontend), id=pid,
+                marks=pytest.mark.skipif(not os.path.isfile(path),
+                                         reason=f"{path} not written yet")))
     return params
 
 
 @pytest.fixture(params=_plugin_params())
-def plugin(request) -> str:
-    """The nbdkit plugin behind the device: 'memory' or the path of agentzip_plugin.py."""
+def plugin_frontend(request) -> tuple[str, str]:
     return request.param
+
+
+@pytest.fixture
+def plugin(plugin_frontend) -> str:
+    """The nbdkit plugin behind the device: 'memory' or the path of agentzip_plugin.py."""
+    return plugin_frontend[0]
+
+
+@pytest.fixture
+def frontend(plugin_frontend) -> str:
+    """device.frontend of the chain: "fuse" (served by nbdkit itself) or "nbdfuse"."""
+    return plugin_frontend[1]
 
 
 @pytest.fixture
@@ -185,9 +199,10 @@ def _config(run_dir):
 
 
 @pytest.fixture
-def chain(run_dir, plugin):
+def chain(run_dir, plugin, frontend):
     """An attached device (64 MiB, priority 123); teardown guaranteed by ``run_dir``."""
-    state = attach.up(_config(run_dir), None, run_dir, priority=123, size=SIZE, plugin=plugin)
+    state = attach.up(_config(run_dir), None, run_dir, priority=123, size=SIZE, plugin=plugin,
+                      frontend=None if facts.nbd_kernel_available() else frontend)
     yield state
     if runstate.RunState.load(run_dir) is not None:
         attach.down(run_dir, force=True)
@@ -398,10 +413,17 @@ def test_attach_status_detach(chain, run_dir, plugin, capsys):
         assert st.loop_device.startswith("/dev/loop")
         assert _dio(st.loop_device) == "1"
         assert _mounts_under(run_dir) == [os.path.join(run_dir, "mnt")]
+        assert st.frontend == frontend
+        assert chain.loop_backing(st.loop_device) == st.fuse_file
+    if st.mode == "fuse" and frontend == "nbdfuse":
         assert procs.pid_alive(st.nbdfuse_pid)
         if facts.which("cc") or facts.which("gcc"):  # the mlockall preload shim
             assert st.nbdfuse_locked
             assert procfs.process_locked(st.nbdfuse_pid) > 0
+    if st.mode == "fuse" and frontend == "fuse":
+        # no helper process: the loop device backs onto the file nbdkit itself serves
+        assert st.nbdfuse_pid is None and st.fuse_file == os.path.join(run_dir, "mnt", "device")
+        assert _procs_mentioning(run_dir) == [st.nbdkit_pid]
     assert procs.pid_alive(st.nbdkit_pid)
     with open(f"/proc/{st.nbdkit_pid}/oom_score_adj") as f:
         # best effort: needs CAP_SYS_RESOURCE, which some containers lack
@@ -417,6 +439,7 @@ def test_attach_status_detach(chain, run_dir, plugin, capsys):
     if st.mode == "fuse":
         assert s["loop"]["dio"] is True and s["mount"]["mounted"]
         assert s["loop"]["rotational"] is False  # device.rotational defaults to off
+        assert (s["nbdfuse"] is None) == (frontend == "fuse")
     with open(os.path.join(run_dir, "state.json")) as f:
         assert json.load(f)["device"] == st.device
 
@@ -429,6 +452,9 @@ def test_attach_status_detach(chain, run_dir, plugin, capsys):
         assert "ok" not in js and {"orig_mem", "stored_mem", "ratio"} <= set(js)
         assert cli.main(["--run-dir", run_dir, "stats"]) == 0
         assert capsys.readouterr().out.split()[:3] == ["ORIG", "STORED", "RATIO"]
+        if st.frontend == "fuse":  # the swap requests (mkswap's writes) came through FUSE
+            door = stats["server"]["fuse"]
+            assert door["alive"] and door["writes"] > 0 and door["errors"] == 0
 
     nbdkit_pid, nbdfuse_pid = st.nbdkit_pid, st.nbdfuse_pid
     res = attach.down(run_dir)
@@ -494,6 +520,38 @@ def test_rollback_after_each_step(run_dir, step):
                   fail_after=step)
     assert_clean(run_dir)
     assert not os.path.exists(os.path.join(run_dir, "state.json"))
+
+
+@requires_swap
+@pytest.mark.skipif(not os.path.isfile(default_plugin_path()), reason="plugin missing")
+@pytest.mark.parametrize("step", ["nbdkit", "fuse", "losetup", "mkswap", "swapon"])
+def test_rollback_after_each_step_in_process_fuse(run_dir, step):
+    """The in-process front end: a failure after nbdkit mounted its FUSE file unmounts it
+    (the server then stops with nothing left behind)."""
+    with pytest.raises(errors.DeviceError, match=f"injected failure after {step}"):
+        attach.up(_config(run_dir), None, run_dir, priority=9, size=SIZE, frontend="fuse",
+                  kernel_nbd=False, fail_after=step)
+    assert_clean(run_dir)
+    assert not os.path.exists(os.path.join(run_dir, "state.json"))
+
+
+def test_frontend_resolution():
+    from agentzip_blk.config import Config
+    plugin = default_plugin_path()
+    cfg = Config()
+    assert chain.resolve_frontend(cfg, None, kernel_nbd=True, plugin=plugin) == "nbd"
+    assert chain.resolve_frontend(cfg, None, kernel_nbd=False, plugin=plugin) == "fuse"
+    # nbdkit's own plugins cannot serve FUSE: auto falls back to nbdfuse, fuse is an error
+    assert chain.resolve_frontend(cfg, None, kernel_nbd=False, plugin="memory") == "nbdfuse"
+    with pytest.raises(errors.SetupError, match="agentzip plugin"):
+        chain.resolve_frontend(cfg, "fuse", kernel_nbd=False, plugin="memory")
+    cfg.device.frontend = "nbdfuse"
+    assert chain.resolve_frontend(cfg, None, kernel_nbd=True, plugin=plugin) == "nbdfuse"
+    cfg.device.frontend = "nbd"
+    with pytest.raises(errors.SetupError, match="no nbd driver"):
+        chain.resolve_frontend(cfg, None, kernel_nbd=False, plugin=plugin)
+    assert chain.required_tools(False, frontend="fuse") == [
+        "nbdkit", "mkswap", "swapon", "swapoff", "fusermount3", "losetup"]
 
 
 @requires_swap

@@ -1,0 +1,520 @@
+"""The FUSE front door: one regular file served straight from the store, by the server process.
+
+Where the kernel has no nbd driver, the swap device is a loop device (``--direct-io=on``)
+over a file. This module serves that file from the process that holds the store: no nbdfuse
+process, no NBD hop. It speaks the kernel's FUSE protocol on ``/dev/fuse`` itself, in pure
+Python (BENCHMARKS.md, "Front doors"), because:
+
+- neither binding Debian ships implements ``fallocate``: python3-llfuse 1.4 (libfuse 2) and
+  python3-pyfuse3 3.2 (libfuse 3) have no such operation, so the loop device's discards
+  (``FALLOC_FL_PUNCH_HOLE``) would fail with EOPNOTSUPP and the store would keep every page
+  the kernel freed;
+- libfuse's loops install signal handlers (llfuse unless told not to; pyfuse3 runs trio)
+  and llfuse runs every handler under one global lock;
+- a single file needs a dozen opcodes, and the measured round trip of this loop is close to
+  the C floor (tools/bench_frontdoor.py, BENCHMARKS.md "Front doors").
+
+Threads: ``threads`` workers block in read(2) on the one /dev/fuse descriptor; the kernel
+hands each request to one of them. They release the GIL in read/write and call the store,
+which has its own lock. No signal handler is installed; nothing here touches signals.
+
+Unmount (``fusermount3 -u`` or ``umount``) ends the connection: every worker's read then
+fails with ENODEV and the workers exit. ``stop`` unmounts lazily if still mounted and
+aborts the connection (``/sys/fs/fuse/connections/N/abort``) if workers linger.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import logging
+import os
+import stat
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Backend", "FuseFile", "FuseStats", "FuseError", "mount_fuse", "unmount"]
+
+# -- protocol constants (linux/fuse.h) ------------------------------------------------------
+
+FUSE_KERNEL_VERSION = 7
+FUSE_MINOR = 31  # what we speak: 7.28 added max_pages; nothing later is needed here
+
+LOOKUP, FORGET, GETATTR, SETATTR = 1, 2, 3, 4
+OPEN, READ, WRITE, STATFS, RELEASE = 14, 15, 16, 17, 18
+FSYNC, GETXATTR, LISTXATTR, FLUSH, INIT = 20, 22, 23, 25, 26
+OPENDIR, READDIR, RELEASEDIR, FSYNCDIR = 27, 28, 29, 30
+ACCESS, INTERRUPT, DESTROY, BATCH_FORGET, FALLOCATE = 34, 36, 38, 42, 43
+LSEEK = 46
+
+FUSE_ASYNC_READ = 1 << 0
+FUSE_BIG_WRITES = 1 << 5
+FUSE_ASYNC_DIO = 1 << 15  # a loop device's concurrent direct I/O stays concurrent
+FUSE_PARALLEL_DIROPS = 1 << 18
+FUSE_MAX_PAGES = 1 << 22
+WANTED_FLAGS = FUSE_ASYNC_READ | FUSE_BIG_WRITES | FUSE_ASYNC_DIO | FUSE_PARALLEL_DIROPS | \
+    FUSE_MAX_PAGES
+
+FOPEN_DIRECT_IO = 1 << 0  # no page cache for this file, whoever opens it
+
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+FALLOC_FL_ZERO_RANGE = 0x10
+
+ROOT_ID = 1
+FILE_ID = 2
+MAX_IO = 1 << 20  # max_write/max_read: 256 pages per request
+PAGE = 4096
+
+IN_HEADER = struct.Struct("<IIQQIIIHH")  # len opcode unique nodeid uid gid pid extlen pad
+OUT_HEADER = struct.Struct("<IiQ")        # len error unique
+ATTR = struct.Struct("<QQQQQQIIIIIIIIII")
+ENTRY_OUT = struct.Struct("<QQQQII")      # + ATTR
+ATTR_OUT = struct.Struct("<QII")          # + ATTR
+OPEN_OUT = struct.Struct("<QII")
+RW_IN = struct.Struct("<QQIIQII")         # fuse_read_in / fuse_write_in (40 bytes)
+WRITE_OUT = struct.Struct("<II")
+FALLOCATE_IN = struct.Struct("<QQQII")
+INIT_IN = struct.Struct("<IIII")
+INIT_OUT = struct.Struct("<IIIIHHIIHHI7I")  # 64 bytes
+KSTATFS = struct.Struct("<QQQQQIIII6I")
+DIRENT = struct.Struct("<QQII")
+LSEEK_IN = struct.Struct("<QQII")
+LSEEK_OUT = struct.Struct("<Q")
+VALID_S = 365 * 24 * 3600  # attributes never change: cache them for a year
+
+MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
+MNT_DETACH = 2
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
+                        ctypes.c_char_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+
+
+class FuseError(OSError):
+    """Mounting or serving failed."""
+
+
+class Backend(Protocol):
+    """What the front door serves: the store's request interface."""
+
+    def readinto(self, buf, offset: int) -> None: ...
+    def write(self, buf, offset: int) -> None: ...
+    def trim(self, offset: int, length: int) -> None: ...
+    def zero(self, offset: int, length: int) -> None: ...
+    def flush(self) -> None: ...
+
+
+@dataclass
+class FuseStats:
+    reads: int = 0
+    writes: int = 0
+    trims: int = 0
+    errors: int = 0
+    last_error: str | None = None
+    kernel_minor: int = 0
+    flags: int = 0
+    threads: list[int] = field(default_factory=list)
+
+
+def default_errno(exc: BaseException) -> int:
+    """The errno a failed request answers: the store's range and capacity errors by name,
+    EIO for anything else (the same mapping as the nbdkit plugin's)."""
+    name = type(exc).__name__
+    if name == "OutOfRange":
+        return errno.EINVAL
+    if name == "StoreFull":
+        return errno.ENOSPC
+    return errno.EIO
+
+
+# -- mounting ---------------------------------------------------------------------------------
+
+def mount_fuse(mountpoint: str, fd: int, *, max_read: int = MAX_IO,
+               fsname: str = "agentzip") -> None:
+    """mount(2) a FUSE file system on ``mountpoint`` served through ``fd`` (root only).
+
+    ``default_permissions`` makes the kernel check the 0600 root-owned modes we report, so
+    ``allow_other`` (root's loop device opens it from another context) admits nobody else.
+    """
+    opts = (f"fd={fd},rootmode=40000,user_id=0,group_id=0,default_permissions,allow_other,"
+            f"max_read={max_read}")
+    rc = _libc.mount(fsname.encode(), os.fsencode(mountpoint), f"fuse.{fsname}".encode(),
+                     MS_NOSUID | MS_NODEV | MS_NOEXEC, opts.encode())
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise FuseError(err, f"mount fuse on {mountpoint}: {os.strerror(err)}")
+
+
+def unmount(mountpoint: str, lazy: bool = False) -> bool:
+    """umount2(2); True when it was unmounted by this call."""
+    rc = _libc.umount2(os.fsencode(mountpoint), MNT_DETACH if lazy else 0)
+    return rc == 0
+
+
+def _is_mountpoint(path: str) -> bool:
+    real = os.path.realpath(path)
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo", encoding="utf-8",
+                                            errors="surrogateescape") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) > 4 and parts[4].replace("\\040", " ") == real:
+                return True
+    return False
+
+
+# -- the file system ----------------------------------------------------------------------------
+
+class FuseFile:
+    """Serve ``name`` (``size`` bytes, mode 0600) at ``mountpoint`` from ``backend``.
+
+    ``on_thread`` runs once in each worker before it serves (e.g. the server's per-thread
+    PR_SET_IO_FLUSHER). ``observe_read``/``observe_write`` get each request's seconds.
+    """
+
+    def __init__(self, mountpoint: str, size: int, backend: Backend, *, name: str = "device",
+                 threads: int = 4, on_thread: Callable[[], None] | None = None,
+                 errno_of: Callable[[BaseException], int] = default_errno,
+                 observe_read: Callable[[float], None] | None = None,
+                 observe_write: Callable[[float], None] | None = None,
+                 direct_io: bool = True) -> None:
+        if size <= 0 or size % PAGE:
+            raise ValueError(f"size {size} is not a positive multiple of {PAGE}")
+        if "/" in name or name in ("", ".", ".."):
+            raise ValueError(f"bad file name {name!r}")
+        self.mountpoint = os.path.abspath(mountpoint)
+        self.path = os.path.join(self.mountpoint, name)
+        self.size = size
+        self.backend = backend
+        self.name = name.encode()
+        self.threads = max(1, int(threads))
+        self.on_thread = on_thread
+        self.errno_of = errno_of
+        self.observe_read = observe_read
+        self.observe_write = observe_write
+        self.open_flags = FOPEN_DIRECT_IO if direct_io else 0
+        self.stats = FuseStats()
+        self._stats_lock = threading.Lock()  # workers count concurrently
+        self._fd: int | None = None
+        self._workers: list[threading.Thread] = []
+        self._conn: int | None = None  # /sys/fs/fuse/connections/N
+        self._stopping = False
+        now = int(time.time())
+        self._file_attr = ATTR.pack(FILE_ID, size, size // 512, now, now, now, 0, 0, 0,
+                                    stat.S_IFREG | 0o600, 1, 0, 0, 0, PAGE, 0)
+        self._root_attr = ATTR.pack(ROOT_ID, 0, 0, now, now, now, 0, 0, 0,
+                                    stat.S_IFDIR | 0o700, 2, 0, 0, 0, PAGE, 0)
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Mount and start the workers; returns once the kernel's INIT is answered."""
+        if _is_mountpoint(self.mountpoint):
+            raise FuseError(errno.EBUSY, f"{self.mountpoint} is already a mount point")
+        os.makedirs(self.mountpoint, mode=0o700, exist_ok=True)
+        fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            mount_fuse(self.mountpoint, fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self._inited = threading.Event()
+        for i in range(self.threads):
+            t = threading.Thread(target=self._worker, name=f"agentzip-fuse-{i}", daemon=True)
+            t.start()
+            self._workers.append(t)
+        # the kernel sends INIT right after mount(2); a stat() waits for its answer
+        st = os.stat(self.mountpoint)
+        self._conn = (os.major(st.st_dev) << 20) | os.minor(st.st_dev)  # the kernel's s_dev
+        if not self._inited.wait(10.0):
+            self.stop()
+            raise FuseError(errno.ETIMEDOUT, f"FUSE INIT on {self.mountpoint} not answered")
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Unmount (lazily when busy) and wait for the workers; abort the connection if they
+        do not end. Safe to call twice and after an external unmount."""
+        self._stopping = True
+        if self._fd is None:
+            return
+        if _is_mountpoint(self.mountpoint) and not unmount(self.mountpoint):
+            unmount(self.mountpoint, lazy=True)
+        deadline = time.monotonic() + timeout
+        for t in self._workers:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in self._workers):
+            self.abort()
+            for t in self._workers:
+                t.join(1.0)
+        fd, self._fd = self._fd, None
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+    def abort(self) -> None:
+        """End the connection now (in-flight and future requests fail with ENOTCONN)."""
+        if self._conn is None:
+            return
+        with contextlib.suppress(OSError), open(f"/sys/fs/fuse/connections/{self._conn}/abort",
+                                                "w") as f:
+            f.write("1")
+
+    @property
+    def alive(self) -> bool:
+        return any(t.is_alive() for t in self._workers)
+
+    # -- the worker loop -------------------------------------------------------------------
+
+    def _worker(self) -> None:
+        if self.on_thread is not None:
+            try:
+                self.on_thread()
+            except Exception as exc:  # best effort (PR_SET_IO_FLUSHER needs a capability)
+                log.debug("on_thread: %s", exc)
+        self.stats.threads.append(threading.get_native_id())
+        fd = self._fd
+        rbuf = bytearray(MAX_IO + 2 * PAGE)
+        rview = memoryview(rbuf)
+        wbuf = bytearray(OUT_HEADER.size + MAX_IO)
+        wview = memoryview(wbuf)
+        while True:
+            try:
+                n = os.readv(fd, [rbuf])
+            except OSError as e:
+                if e.errno == errno.ENODEV:  # unmounted: the connection is gone
+                    return
+                if e.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):
+                    continue
+                if self._stopping or e.errno == errno.EBADF:
+                    return
+                log.error("read /dev/fuse: %s", e)
+                self.stats.last_error = str(e)
+                return
+            if n < IN_HEADER.size:
+                continue
+            try:
+                self._dispatch(fd, rbuf, rview, n, wbuf, wview)
+            except Exception as exc:  # a bug here must not kill the worker
+                self.stats.errors += 1
+                self.stats.last_error = f"{type(exc).__name__}: {exc}"
+                log.exception("FUSE request failed")
+                unique = IN_HEADER.unpack_from(rbuf, 0)[2]
+                self._reply_error(fd, unique, errno.EIO)
+
+    def _reply(self, fd: int, unique: int, payload: bytes = b"") -> None:
+        try:
+            os.write(fd, OUT_HEADER.pack(OUT_HEADER.size + len(payload), 0, unique) + payload)
+        except OSError as e:
+            if e.errno != errno.ENOENT:  # ENOENT: the request was interrupted; fine
+                raise
+
+    def _reply_error(self, fd: int, unique: int, err: int) -> None:
+        try:
+            os.write(fd, OUT_HEADER.pack(OUT_HEADER.size, -err, unique))
+        except OSError as e:
+            if e.errno not in (errno.ENOENT, errno.ENODEV, errno.EBADF):
+                raise
+
+    def _dispatch(self, fd, rbuf, rview, n, wbuf, wview) -> None:
+        _len, opcode, unique, nodeid = IN_HEADER.unpack_from(rbuf, 0)[:4]
+        arg = IN_HEADER.size
+        if opcode == READ:
+            _fh, offset, size = RW_IN.unpack_from(rbuf, arg)[:3]
+            if nodeid != FILE_ID:
+                return self._reply_error(fd, unique, errno.EISDIR)
+            size = max(0, min(size, self.size - offset, MAX_IO))
+            t0 = time.perf_counter()
+            try:
+                if size:
+                    self.backend.readinto(wview[OUT_HEADER.size:OUT_HEADER.size + size], offset)
+            except Exception as exc:
+                return self._fail(fd, unique, exc)
+            elapsed = time.perf_counter() - t0
+            OUT_HEADER.pack_into(wbuf, 0, OUT_HEADER.size + size, 0, unique)
+            try:
+                os.write(fd, wview[:OUT_HEADER.size + size])
+            except OSError as e:
+                if e.errno != errno.ENOENT:
+                    raise
+            with self._stats_lock:  # latency.Histogram takes no lock of its own
+                self.stats.reads += 1
+                if self.observe_read is not None:
+                    self.observe_read(elapsed)
+            return None
+        if opcode == WRITE:
+            _fh, offset, size = RW_IN.unpack_from(rbuf, arg)[:3]
+            data = arg + RW_IN.size
+            if nodeid != FILE_ID:
+                return self._reply_error(fd, unique, errno.EISDIR)
+            if offset + size > self.size:
+                return self._reply_error(fd, unique, errno.ENOSPC)
+            t0 = time.perf_counter()
+            try:
+                self.backend.write(rview[data:data + size], offset)
+            except Exception as exc:
+                return self._fail(fd, unique, exc)
+            elapsed = time.perf_counter() - t0
+            self._reply(fd, unique, WRITE_OUT.pack(size, 0))
+            with self._stats_lock:
+                self.stats.writes += 1
+                if self.observe_write is not None:
+                    self.observe_write(elapsed)
+            return None
+        if opcode == FALLOCATE:
+            _fh, offset, length, mode = FALLOCATE_IN.unpack_from(rbuf, arg)[:4]
+            return self._fallocate(fd, unique, nodeid, offset, length, mode)
+        if opcode == GETATTR:
+            attr = self._attr(nodeid)
+            if attr is None:
+                return self._reply_error(fd, unique, errno.ENOENT)
+            return self._reply(fd, unique, ATTR_OUT.pack(VALID_S, 0, 0) + attr)
+        if opcode == LOOKUP:
+            name = bytes(rview[arg:n]).split(b"\0", 1)[0]
+            if nodeid != ROOT_ID or name != self.name:
+                return self._reply_error(fd, unique, errno.ENOENT)
+            return self._reply(fd, unique, ENTRY_OUT.pack(FILE_ID, 0, VALID_S, VALID_S, 0, 0)
+                               + self._file_attr)
+        if opcode in (FORGET, BATCH_FORGET, INTERRUPT):
+            return None  # no reply expected (an interrupted request still gets its answer)
+        if opcode in (OPEN, OPENDIR):
+            flags = self.open_flags if opcode == OPEN else 0
+            if self._attr(nodeid) is None:
+                return self._reply_error(fd, unique, errno.ENOENT)
+            return self._reply(fd, unique, OPEN_OUT.pack(nodeid, flags, 0))
+        if opcode in (RELEASE, RELEASEDIR, ACCESS, FSYNCDIR):
+            return self._reply(fd, unique)
+        if opcode in (FLUSH, FSYNC):
+            try:
+                self.backend.flush()
+            except Exception as exc:
+                return self._fail(fd, unique, exc)
+            return self._reply(fd, unique)
+        if opcode == SETATTR:
+            # the size is fixed and modes are ours; answer the attributes (truncate to the
+            # same size, utimes and chmod are harmless no-ops)
+            valid = struct.unpack_from("<I", rbuf, arg)[0]
+            new_size = struct.unpack_from("<Q", rbuf, arg + 16)[0]
+            if valid & (1 << 3) and new_size != self.size and nodeid == FILE_ID:  # FATTR_SIZE
+                return self._reply_error(fd, unique, errno.EPERM)
+            attr = self._attr(nodeid)
+            if attr is None:
+                return self._reply_error(fd, unique, errno.ENOENT)
+            return self._reply(fd, unique, ATTR_OUT.pack(VALID_S, 0, 0) + attr)
+        if opcode == READDIR:
+            offset, size = RW_IN.unpack_from(rbuf, arg)[1:3]
+            return self._reply(fd, unique, self._readdir(offset, size))
+        if opcode == STATFS:
+            blocks = self.size // PAGE
+            return self._reply(fd, unique, KSTATFS.pack(blocks, 0, 0, 2, 0, PAGE, 255, PAGE,
+                                                        0, 0, 0, 0, 0, 0, 0))
+        if opcode == LSEEK:
+            _fh, offset, whence = LSEEK_IN.unpack_from(rbuf, arg)[:3]
+            if whence == 3:  # SEEK_DATA: all of it is data
+                if offset >= self.size:
+                    return self._reply_error(fd, unique, errno.ENXIO)
+                return self._reply(fd, unique, LSEEK_OUT.pack(offset))
+            if whence == 4:  # SEEK_HOLE
+                return self._reply(fd, unique, LSEEK_OUT.pack(self.size))
+            return self._reply_error(fd, unique, errno.EINVAL)
+        if opcode == INIT:
+            return self._init(fd, unique, rbuf, arg)
+        if opcode == DESTROY:
+            return self._reply(fd, unique)
+        return self._reply_error(fd, unique, errno.ENOSYS)
+
+    def _fail(self, fd: int, unique: int, exc: BaseException) -> None:
+        with self._stats_lock:
+            self.stats.errors += 1
+        self.stats.last_error = f"{type(exc).__name__}: {exc}"
+        self._reply_error(fd, unique, self.errno_of(exc))
+
+    def _fallocate(self, fd, unique, nodeid, offset, length, mode) -> None:
+        """The loop device turns discards into PUNCH_HOLE|KEEP_SIZE and write-zeroes into
+        ZERO_RANGE (or PUNCH_HOLE); both drop the pages. Plain allocation is a no-op."""
+        if nodeid != FILE_ID:
+            return self._reply_error(fd, unique, errno.EISDIR)
+        if offset + length > self.size:
+            return self._reply_error(fd, unique, errno.EINVAL if mode else errno.ENOSPC)
+        known = FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE
+        if mode & ~known:
+            return self._reply_error(fd, unique, errno.EOPNOTSUPP)
+        try:
+            if mode & FALLOC_FL_PUNCH_HOLE:
+                self.backend.trim(offset, length)
+            elif mode & FALLOC_FL_ZERO_RANGE:
+                self.backend.zero(offset, length)
+        except Exception as exc:
+            return self._fail(fd, unique, exc)
+        with self._stats_lock:
+            self.stats.trims += 1
+        return self._reply(fd, unique)
+
+    def _attr(self, nodeid: int) -> bytes | None:
+        if nodeid == FILE_ID:
+            return self._file_attr
+        if nodeid == ROOT_ID:
+            return self._root_attr
+        return None
+
+    def _readdir(self, offset: int, size: int) -> bytes:
+        entries = [(ROOT_ID, b".", 4), (ROOT_ID, b"..", 4), (FILE_ID, self.name, 8)]
+        out = b""
+        for i in range(offset, len(entries)):
+            ino, name, kind = entries[i]
+            rec = DIRENT.pack(ino, i + 1, len(name), kind) + name
+            rec += b"\0" * (-len(rec) % 8)
+            if len(out) + len(rec) > size:
+                break
+            out += rec
+        return out
+
+    def _init(self, fd, unique, rbuf, arg) -> None:
+        major, minor, max_readahead, kflags = INIT_IN.unpack_from(rbuf, arg)
+        if major != FUSE_KERNEL_VERSION:
+            # an older/newer major: answer ours, the kernel then fails the mount cleanly
+            return self._reply(fd, unique, INIT_OUT.pack(FUSE_KERNEL_VERSION, FUSE_MINOR,
+                                                         0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                         *([0] * 7)))
+        flags = kflags & WANTED_FLAGS
+        self.stats.kernel_minor = minor
+        self.stats.flags = flags
+        self._reply(fd, unique, INIT_OUT.pack(
+            FUSE_KERNEL_VERSION, min(minor, FUSE_MINOR), max_readahead, flags,
+            64, 48,              # max_background, congestion_threshold
+            MAX_IO, 1,           # max_write, time_gran
+            MAX_IO // PAGE, 0,   # max_pages, map_alignment
+            0, *([0] * 7)))
+        self._inited.set()
+
+
+# -- the server's front door ---------------------------------------------------------------------
+
+DEFAULT_THREADS = 4  # >1 so that a request's store call overlaps the next one's syscalls
+
+
+def serve_server(server, mountpoint: str, threads: int = DEFAULT_THREADS) -> FuseFile:
+    """Mount ``mountpoint``/device and serve it from ``server.store`` (agentzip_blk.server):
+    the same store, latency histograms and per-thread protection as the NBD requests."""
+    door = FuseFile(mountpoint, server.size, server.store, threads=threads,
+                    on_thread=server.on_request_thread,
+                    observe_read=server.latency.read.observe,
+                    observe_write=server.latency.write.observe)
+    door.start()
+    return door
+
+
+def describe(door: FuseFile | None) -> dict | None:
+    """For the control socket's stats: where the file is and what it served."""
+    if door is None:
+        return None
+    s = door.stats
+    return {"file": door.path, "alive": door.alive, "threads": len(s.threads),
+            "reads": s.reads, "writes": s.writes, "trims": s.trims, "errors": s.errors,
+            "last_error": s.last_error, "kernel_minor": s.kernel_minor}
