@@ -98,18 +98,25 @@ def test_runtime_dependencies_are_declared(wheel):
 
 
 def test_the_installed_wheel_runs_without_the_tree(wheel, tmp_path):
-    """Unpacked elsewhere, the package finds its own files: dictionaries and the workload."""
+    """Unpacked elsewhere, the package finds its own files: dictionaries, the workload, the
+    plugin and the systemd units."""
     target = tmp_path / "site"
     wheel.extractall(target)
     probe = (
         "import os, agentzip_blk\n"
         "from agentzip_blk.codec.dictionaries import known_names\n"
         "from agentzip_blk.demo.workload import WORKLOAD\n"
+        "from agentzip_blk.fleet.systemd import unit_files\n"
+        "from agentzip_blk.host.servercmd import default_plugin_path\n"
         f"assert agentzip_blk.__file__.startswith({str(target)!r}), agentzip_blk.__file__\n"
         "assert 'python312' in known_names()\n"
         f"assert WORKLOAD.startswith({str(target)!r}) and os.path.isfile(WORKLOAD)\n"
+        f"assert default_plugin_path().startswith({str(target)!r})\n"
+        "assert os.path.isfile(default_plugin_path())\n"
+        "assert {u.name for u in unit_files()} >= {'agentzip-blk.service', '50-agentzip.conf'}\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(target))
+    env = {k: v for k, v in os.environ.items() if k != "AGENTZIP_PLUGIN"}
+    env["PYTHONPATH"] = str(target)
     res = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr

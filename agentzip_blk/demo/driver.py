@@ -473,10 +473,10 @@ def main(args) -> int:
     return 0 if res.get("ok") else 1
 
 
-if __name__ == "__main__":  # python -m agentzip_blk.demo [--swap zram-lz4] [--mb N]
+if __name__ == "__main__":  # python -m agentzip_blk.demo.driver [--swap zram-lz4] [--mb N]
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m agentzip_blk.demo")
+    ap = argparse.ArgumentParser(prog="python -m agentzip_blk.demo.driver")
     ap.add_argument("--config")
     ap.add_argument("--run-dir")
     ap.add_argument("--mb", type=float, default=DEFAULT_MB)
