@@ -3,7 +3,9 @@
 Expected errors print one line ``agentzip-blk: error: ...`` on stderr, no traceback:
 exit status 2 for setup problems (non-root, missing tools, zswap, already attached,
 bad config), 1 for runtime failures (a tool failed, swapoff refused, control socket
-unreachable). ``status`` exits 0 when the device is attached, 3 when it is not.
+unreachable). ``status`` exits 0 when the device is attached and healthy, 3 when nothing
+is attached, 4 when something of ours is attached or running but the chain is not healthy
+(a server dead, stopped or not answering: docs/JSON.md).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ PROG = "agentzip-blk"
 EXIT_RUNTIME = 1
 EXIT_SETUP = 2
 EXIT_NOT_ATTACHED = 3
+EXIT_UNHEALTHY = 4
 
 
 class CliError(Exception):
@@ -196,6 +199,9 @@ def cmd_down(args) -> int:
     except device.NotAttached as e:
         print(f"{PROG}: nothing to do: {e}", file=sys.stderr)
         return 0
+    if res.get("server_lost"):
+        print(f"{PROG}: warning: the swap server was dead or did not answer: the pages it held "
+              f"are lost (processes that touch them get SIGBUS)", file=sys.stderr)
     print(f"{res['device'] or 'device'}: detached, {_fmt(res['swapped_in'])} swapped back in "
           f"({res['seconds']:.1f}s); server stopped")
     if res.get("cgroups"):
@@ -237,6 +243,9 @@ def _status_text(st: dict) -> str:
                          f"{_fmt(sw['used'])} priority {sw['priority']}")
         else:
             lines.append("swap      off")
+    if st["health"] is not None:
+        h = st["health"]
+        lines.append("health    OK" if h["ok"] else "health    FAIL: " + "; ".join(h["problems"]))
     others = st["other_swaps"]
     if others:
         lines.append("other swap areas:")
@@ -257,6 +266,8 @@ def cmd_status(args) -> int:
         print(json.dumps(st, sort_keys=True))
     else:
         print(_status_text(st))
+    if st["healthy"] is False:
+        return EXIT_UNHEALTHY
     return 0 if st["attached"] else EXIT_NOT_ATTACHED
 
 

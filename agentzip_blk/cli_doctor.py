@@ -1,6 +1,7 @@
 """``agentzip-blk doctor [--json]``: host checks, one pass/warn/fail line each, with fixes.
 
-Exit status 0 when nothing failed (warnings allowed), 1 when a check failed.
+Exit status 0 when nothing failed (warnings allowed), 1 when a check failed, 4 when the
+server health check failed (whatever else did): docs/JSON.md.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def cmd_doctor(args) -> int:
         print(doctor.to_json(checks))
     else:
         print(doctor.render(checks))
+    if any(c.name == "server health" and c.status == doctor.FAIL for c in checks):
+        return cli.EXIT_UNHEALTHY
     return 1 if doctor.worst(checks) == doctor.FAIL else 0
 
 

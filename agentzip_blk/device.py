@@ -24,12 +24,13 @@ import fcntl
 import json
 import os
 import signal
+import stat
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Iterator
 
-from . import system
+from . import control, system
 from .server_cmd import default_plugin_path, is_python_plugin, plugin_env, server_command
 from .system import SetupError
 
@@ -45,6 +46,7 @@ __all__ = [
     "up",
     "down",
     "status",
+    "health",
     "attached",
     "load_state",
     "swapoff_fits",
@@ -68,6 +70,11 @@ TOOLS: dict[str, str] = {
     "nbd-client": "nbd-client",
 }
 
+# /proc/PID/stat states of a process that runs no code until SIGCONT
+STOPPED_STATES = ("T", "t")
+# `status`, `doctor` and the exporter wait this long for the chain to answer
+HEALTH_TIMEOUT = 2.0
+
 # swapoff needs the swapped bytes back in RAM; keep this much on top of them
 SWAPOFF_MARGIN_MIN = 128 * 1024 * 1024
 SWAPOFF_MARGIN_FRACTION = 0.05  # of MemTotal
@@ -76,9 +83,15 @@ SWAPOFF_MARGIN_FRACTION = 0.05  # of MemTotal
 # nbdfuse has no mlock option, and mlockall() does not survive execve(). A page of nbdfuse
 # swapped out onto the very device it serves deadlocks the swap-in. This preload library
 # locks nbdfuse from its first instruction (ONFAULT: only pages it touches, so thread stacks
-# and malloc arenas stay small) and marks it an I/O flusher where permitted. Built with cc
-# into the run directory at `up`; without a compiler nbdfuse runs unlocked and `status` warns.
+# and malloc arenas stay small) and marks it an I/O flusher where permitted. It also refuses
+# SIGTERM, SIGINT, SIGHUP and SIGPIPE with a line in nbdfuse's log: libfuse installs its
+# exit-on-signal handlers only over SIG_DFL (lib/fuse_signals.c), so ours stay, and nbdfuse
+# ends only when `down` unmounts the file (or by SIGKILL). Built with cc into the run
+# directory at `up`; without a compiler nbdfuse runs unprotected and `status` warns.
 _MLOCK_SHIM_C = r"""
+#include <signal.h>
+#include <string.h>
+#include <unistd.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #ifndef MCL_ONFAULT
@@ -87,8 +100,24 @@ _MLOCK_SHIM_C = r"""
 #ifndef PR_SET_IO_FLUSHER
 #define PR_SET_IO_FLUSHER 57
 #endif
+static void agentzip_refuse(int sig)
+{
+    static const char msg[] = "agentzip: nbdfuse refused a signal (TERM/INT/HUP/PIPE): "
+                              "`agentzip-blk down` unmounts and stops it\n";
+    (void) sig;
+    (void) !write(2, msg, sizeof msg - 1);
+}
 __attribute__((constructor)) static void agentzip_lock_memory(void)
 {
+    static const int sigs[] = {SIGTERM, SIGINT, SIGHUP, SIGPIPE};
+    struct sigaction sa;
+    unsigned i;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = agentzip_refuse;
+    sa.sa_flags = SA_RESTART;
+    sigemptyset(&sa.sa_mask);
+    for (i = 0; i < sizeof sigs / sizeof sigs[0]; i++)
+        (void) sigaction(sigs[i], &sa, 0);
     (void) mlockall(MCL_CURRENT | MCL_FUTURE | MCL_ONFAULT);
     (void) prctl(PR_SET_IO_FLUSHER, 1, 0, 0, 0);
 }
@@ -457,15 +486,35 @@ def _stop_process(pid: int | None, exe: str, must_contain: str | None, timeout: 
         raise DeviceError(f"{what} (pid {pid}) did not exit")
 
 
-def _teardown(state: RunState, timeout: float = 30.0) -> None:
+def _stop_server(state: RunState, timeout: float) -> None:
+    """The shutdown verb (refused by the server while swap points at it); when the control
+    socket does not answer, SIGTERM, which the server honours once no swap area is ours,
+    and SIGKILL after ``timeout``."""
+    pid = state.nbdkit_pid
+    if not _ours_alive(pid, state.tool("nbdkit"), state.nbd_socket):
+        return
+    if state.control_socket and system.process_state(pid) not in STOPPED_STATES:
+        try:
+            control.request(state.control_socket, "shutdown", timeout=min(timeout, 5.0))
+        except control.ControlError:
+            pass
+        else:
+            if _wait_gone(pid, timeout):
+                return
+    _stop_process(pid, state.tool("nbdkit"), state.nbd_socket, timeout, "nbdkit")
+
+
+def _teardown(state: RunState, timeout: float = 30.0,
+              swapoff_timeout: float | None = None) -> None:
     """Undo whatever ``state`` records, in the safe order. Raises on the first failure
-    that makes continuing unsafe (swap still on, loop still attached)."""
+    that makes continuing unsafe (swap still on, loop still attached). swapoff brings every
+    page back in, which can take long: by default it may take an hour."""
     errors: list[str] = []
 
     # 1. swapoff
     if system.swap_area(state.device) is not None:
         _run([_resolve_tool("swapoff", state.tools), state.device],
-             timeout=max(timeout, 3600.0), what=f"swapoff {state.device}")
+             timeout=swapoff_timeout or max(timeout, 3600.0), what=f"swapoff {state.device}")
         if system.swap_area(state.device) is not None:
             raise DeviceError(f"{state.device} is still in /proc/swaps after swapoff")
     state.swap_on = False
@@ -520,7 +569,7 @@ def _teardown(state: RunState, timeout: float = 30.0) -> None:
             raise DeviceError(f"refusing to stop nbdkit: {state.device} is still in /proc/swaps")
         if _loop_is_ours(state):
             raise DeviceError(f"refusing to stop nbdkit: {state.loop_device} is still attached")
-        _stop_process(state.nbdkit_pid, state.tool("nbdkit"), state.nbd_socket, timeout, "nbdkit")
+        _stop_server(state, timeout)
         state.nbdkit_pid = None
 
     if errors:
@@ -650,6 +699,13 @@ def _write_effective_config(config, run_dir: str) -> str:
     return path
 
 
+def _server_request(state: RunState, cmd: str, timeout: float, **args) -> dict:
+    try:
+        return control.request(state.control_socket, cmd, timeout=timeout, **args)
+    except control.ControlError as exc:
+        raise DeviceError(f"nbdkit control {cmd}: {exc}; log {state.run_dir}/nbdkit.log") from None
+
+
 def _inject(step: str, fail_after: str | None) -> None:
     if fail_after == step:
         raise DeviceError(f"injected failure after {step}")
@@ -669,6 +725,8 @@ def _up_steps(state: RunState, timeout: float, fail_after: str | None) -> None:
     state.save()
     ready = [state.nbd_socket] + ([state.control_socket] if state.control_socket else [])
     _wait_ready(proc, pidfile, ready, timeout, "nbdkit", log)
+    if state.control_socket:
+        _server_request(state, "health", timeout)  # serving, not only listening
     # best effort: needs CAP_SYS_RESOURCE (missing in some containers)
     state.oom_protected = system.set_oom_score_adj(proc.pid, -1000)
     state.save()
@@ -726,12 +784,14 @@ def _up_steps(state: RunState, timeout: float, fail_after: str | None) -> None:
             _mark_rotational(loop)
         _inject("losetup", fail_after)
 
-    # 3. mkswap + swapon
+    # 3. mkswap + swapon, the server told first which device it must not die under
     _run([_resolve_tool("mkswap", tools), "-L", SWAP_LABEL, state.device], timeout=timeout,
          what=f"mkswap {state.device}")
     state.mkswap_done = True
     state.save()
     _inject("mkswap", fail_after)
+    if state.control_socket:
+        _server_request(state, "guard", timeout, device=state.device)
     _run([_resolve_tool("swapon", tools), "--discard=pages", "-p", str(state.swap_priority),
           state.device], timeout=timeout, what=f"swapon {state.device}")
     if system.swap_area(state.device) is None:
@@ -756,6 +816,7 @@ def down(run_dir: str | None = None, force: bool = False, *, config=None,
             raise NotAttached(f"no device attached from {run_dir} (no {STATE_FILE})")
         area = system.swap_area(state.device)
         used = area.used if area else 0
+        given_up = False
         if area is not None and not force:
             ok, avail, needed = swapoff_fits(used, system.meminfo())
             if not ok:
@@ -763,11 +824,67 @@ def down(run_dir: str | None = None, force: bool = False, *, config=None,
                     f"swapoff would bring {_fmt(used)} back into RAM but only {_fmt(avail)} is "
                     f"available (need {_fmt(needed)} with margin): free memory first, or "
                     f"`agentzip-blk down --force`")
+            h = health(state)
+            if not h["ok"]:
+                raise DeviceError("the swap server is not healthy, so swapoff could wait for "
+                                  "ever or lose pages: " + "; ".join(h["problems"]) +
+                                  "; `agentzip-blk down --force` gives up what it cannot read")
         t0 = time.monotonic()
         cgroups = _release_cgroups(run_dir)
-        _teardown(state, timeout)
+        if force and (area is not None or _liveness(state)["nbdkit"]):
+            given_up = _unwedge(state)
+        _teardown(state, timeout, swapoff_timeout=max(timeout, 120.0) if given_up else None)
+        _remove_tier_file(state)
         return {"run_dir": run_dir, "device": state.device, "swapped_in": used,
-                "seconds": round(time.monotonic() - t0, 3), "cgroups": cgroups}
+                "seconds": round(time.monotonic() - t0, 3), "cgroups": cgroups,
+                "server_lost": given_up}
+
+
+def _unwedge(state: RunState) -> bool:
+    """`down --force` on a chain that does not answer. A stopped process may only be paused:
+    SIGCONT and ask again. Otherwise kill what is left of the chain, so that every pending
+    and later read fails at once (a FUSE connection aborts when its daemon is gone), and
+    swapoff ends instead of waiting for ever: the kernel marks the pages it cannot read
+    as poisoned, and whoever touches one gets SIGBUS. True when the chain was given up."""
+    procs = [(state.nbdkit_pid, state.tool("nbdkit"), state.nbd_socket),
+             (state.nbdfuse_pid, state.tool("nbdfuse"), state.fuse_file)]
+    if health(state)["ok"]:
+        return False
+    resumed = False
+    for pid, exe, must in procs:
+        if _ours_alive(pid, exe, must) and system.process_state(pid) in STOPPED_STATES:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+                resumed = True
+    if resumed and health(state)["ok"]:
+        return False
+    for pid, exe, must in procs:
+        if _ours_alive(pid, exe, must):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            _wait_gone(pid, 10.0)
+    return True
+
+
+def _remove_tier_file(state: RunState) -> None:
+    """A server that was killed leaves its disk tier behind: compressed pages of every
+    sandbox. Only a regular file at the configured path is removed (never a link)."""
+    if not state.config_path:
+        return
+    try:
+        from .config import load_config
+        path = load_config(state.config_path).pool.swap_out_path
+    except Exception:
+        return
+    if not path:
+        return
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return
+    if stat.S_ISREG(st.st_mode):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def _release_cgroups(run_dir: str) -> str:
@@ -783,13 +900,16 @@ def _release_cgroups(run_dir: str) -> str:
 
 # --- status ----------------------------------------------------------------------------
 
-def status(run_dir: str | None = None, *, config=None) -> dict:
-    """What is attached from ``run_dir``, plus host swap facts and warnings."""
+def status(run_dir: str | None = None, *, config=None,
+           health_timeout: float = HEALTH_TIMEOUT) -> dict:
+    """What is attached from ``run_dir``, its health, host swap facts and warnings.
+    ``healthy`` is None when nothing of ours runs or is swap."""
     run_dir = resolve_run_dir(config, run_dir)
     state = RunState.load(run_dir)
     areas = system.swaps()
     zswap = system.zswap_enabled()
-    out: dict = {"run_dir": run_dir, "attached": False, "state": None, "server": None,
+    out: dict = {"run_dir": run_dir, "attached": False, "healthy": None, "health": None,
+                 "state": None, "server": None,
                  "nbdfuse": None, "device": None, "mode": None, "loop": None, "mount": None,
                  "swap": None, "other_swaps": [], "higher_priority_swaps": [],
                  "zswap_enabled": zswap, "kernel_nbd": system.nbd_kernel_available(),
@@ -830,6 +950,9 @@ def status(run_dir: str | None = None, *, config=None) -> dict:
         if ours is not None:
             out["swap"] = ours.to_dict()
         out["attached"] = alive and ours is not None
+        if ours is not None or alive:
+            out["health"] = health(state, health_timeout)
+            out["healthy"] = out["health"]["ok"]
         out["server"]["oom_protected"] = state.oom_protected
         if alive and not state.oom_protected:
             warnings.append("could not set oom_score_adj -1000 on the server (needs "
@@ -855,6 +978,73 @@ def status(run_dir: str | None = None, *, config=None) -> dict:
         warnings.append("zswap is enabled and compresses pages before they reach the device "
                         f"(double compression): {system.ZSWAP_DISABLE_HINT}")
     return out
+
+
+# --- health ------------------------------------------------------------------------------
+
+def health(state: RunState, timeout: float = HEALTH_TIMEOUT) -> dict:
+    """Whether the chain answers, not only whether its processes exist: nbdkit alive, not
+    stopped, and answering the ``health`` verb (which waits for the store lock; ``ping``
+    does not) within ``timeout``; nbdfuse alive and not stopped; and one 4 KiB O_DIRECT read
+    of the FUSE file through the whole chain. ``ok`` is False with the reasons in
+    ``problems``."""
+    problems: list[str] = []
+    out: dict = {"ok": False, "problems": problems, "timeout": timeout}
+    srv = {"pid": state.nbdkit_pid, "state": None, "responsive": False}
+    out["nbdkit"] = srv
+    if _ours_alive(state.nbdkit_pid, state.tool("nbdkit"), state.nbd_socket):
+        srv["state"] = system.process_state(state.nbdkit_pid)
+        if srv["state"] in STOPPED_STATES:
+            problems.append(f"nbdkit (pid {state.nbdkit_pid}) is stopped (SIGSTOP?): every "
+                            "swap-in waits; `kill -CONT` it")
+        elif state.control_socket:
+            try:
+                reply = control.request(state.control_socket, "health", timeout=timeout)
+                srv["responsive"] = True
+                srv["guarded"] = bool(reply.get("guarded"))
+            except control.ControlError as exc:
+                problems.append(f"nbdkit (pid {state.nbdkit_pid}) does not answer health "
+                                f"within {timeout:g}s: {exc}")
+        else:
+            srv["responsive"] = True  # a plugin without a control socket (tests)
+    else:
+        problems.append(f"nbdkit (pid {state.nbdkit_pid}) is not running")
+    if state.nbdfuse_pid:
+        fz = {"pid": state.nbdfuse_pid, "state": None}
+        out["nbdfuse"] = fz
+        if _ours_alive(state.nbdfuse_pid, state.tool("nbdfuse"), state.fuse_file):
+            fz["state"] = system.process_state(state.nbdfuse_pid)
+            if fz["state"] in STOPPED_STATES:
+                problems.append(f"nbdfuse (pid {state.nbdfuse_pid}) is stopped (SIGSTOP?)")
+        else:
+            problems.append(f"nbdfuse (pid {state.nbdfuse_pid}) is not running")
+    if not problems and state.fuse_file:
+        err = _probe_read(state.fuse_file, timeout)
+        out["probe"] = err or "ok"
+        if err:
+            problems.append(f"a 4 KiB read of {state.fuse_file} failed: {err}")
+    out["ok"] = not problems
+    return out
+
+
+def _probe_read(path: str, timeout: float) -> str | None:
+    """One O_DIRECT read of the first page, in a child: a wedged chain blocks the child,
+    never the caller. None when it succeeded, else why not."""
+    argv = ["dd", f"if={path}", "of=/dev/null", "bs=4096", "count=1", "iflag=direct",
+            "status=none"]
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+    except OSError as exc:
+        return f"dd: {exc.strerror}"
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # a FUSE wait is killable; reaped by init if it lingers
+        return f"no answer within {timeout:g}s"
+    if proc.returncode != 0:
+        return (err.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+    return None
 
 
 # --- context manager ----------------------------------------------------------------------

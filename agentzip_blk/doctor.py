@@ -46,6 +46,7 @@ class Facts:
     fuse_dev: bool = True
     fuse_tools: list[str] = field(default_factory=list)  # missing among nbdfuse, fusermount3
     server_running: bool = False
+    health: dict | None = None         # device.health() while something of ours runs or is swap
     server_locked: bool | None = None  # mlockall done in the server
     server_locked_bytes: int = 0
     nbdfuse_locked: bool | None = None
@@ -109,10 +110,14 @@ def gather(run_dir: str, config=None, root: str = "/") -> Facts:
         if state.nbdfuse_pid and system.pid_alive(state.nbdfuse_pid):
             f.nbdfuse_locked = device._locked_bytes(state.nbdfuse_pid) > 0
             protected.add(state.nbdfuse_pid)
+    if state is not None and (f.device or system.pid_alive(state.nbdkit_pid)):
+        f.health = device.health(state)
     if state is not None and state.nbdkit_pid and system.pid_alive(state.nbdkit_pid):
         f.server_running = True
         protected.add(state.nbdkit_pid)
         try:
+            if not f.health["ok"]:
+                raise RuntimeError("the server does not answer")
             from . import control
             st = control.request(state.control_socket, "stats", timeout=3.0)
             srv = st.get("server", {})
@@ -295,6 +300,14 @@ def diagnose(f: Facts) -> list[Check]:
                   "and verifies it"))
 
     # server
+    if f.health is not None:
+        if f.health["ok"]:
+            add(Check("server health", PASS, "nbdkit answers health (store lock taken) and a 4 KiB "
+                      "read through the chain succeeded"))
+        else:
+            add(Check("server health", FAIL, "; ".join(f.health["problems"]),
+                      "`kill -CONT` a stopped server; a dead one has lost its pages: stop the "
+                      "workloads, then `agentzip-blk down --force` and `up`"))
     if not f.server_running:
         add(Check("server memory", WARN, "server not running: nothing to check", "agentzip-blk up"))
     elif f.server_locked:

@@ -22,8 +22,9 @@ Nothing is cached between scrapes except the per-cgroup table (``--cgroup-interv
 default 30 s), because walking pagemaps is the expensive part.
 
 Names follow the Prometheus conventions: ``agentzip_`` prefix, base units (bytes, seconds),
-``_total`` for counters, labels for kinds. ``agentzip_up`` is 0 when the control socket does
-not answer (and nothing else from the server is exported then).
+``_total`` for counters, labels for kinds. ``agentzip_up`` is 0 when the server does not answer
+its ``health`` verb within ``HEALTH_TIMEOUT`` (dead, stopped, or wedged behind the store lock),
+and nothing else from the server is exported then.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from prometheus_client.exposition import MetricsHandler
 log = logging.getLogger(__name__)
 
 NS = "agentzip"
+HEALTH_TIMEOUT = 2.0  # the same wait as `status` (device.HEALTH_TIMEOUT)
 
 # stats key -> (metric name, help). Gauges in bytes.
 BYTE_GAUGES = [
@@ -248,8 +250,9 @@ class Collector:
         except Exception as e:  # server down: say so, export nothing stale
             log.warning("stats: %s", e)
             st = None
-        yield GaugeMetricFamily(_n("up"), "1 when the server's control socket answered.",
-                                value=1.0 if st is not None else 0.0)
+        yield GaugeMetricFamily(_n("up"), "1 when the server answered the health verb (which "
+                                "waits for the store lock) and stats; 0 when it is dead, "
+                                "stopped or wedged.", value=1.0 if st is not None else 0.0)
         if st is not None:
             yield from stats_metrics(st)
         if self.cgroups_fn is not None:
@@ -269,6 +272,8 @@ def control_stats(path: str) -> Callable[[], dict]:
     from . import control
 
     def fetch() -> dict:
+        # ping is answered even while requests are wedged behind the store lock; health is not
+        control.request(path, "health", timeout=HEALTH_TIMEOUT)
         reply = dict(control.request(path, "stats"))
         reply.pop("ok", None)
         return reply

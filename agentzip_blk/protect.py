@@ -75,3 +75,19 @@ def array_resident_bytes(array) -> int:
     if array.nbytes < 16 * _PAGE:  # small arrays live in malloc'd pages shared with others
         return array.nbytes
     return min(resident_bytes(array.ctypes.data, array.nbytes), array.nbytes + _PAGE)
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def clear_parent_death_signal() -> str | None:
+    """Undo the PR_SET_PDEATHSIG(SIGTERM) that nbdkit 1.32 sets on itself.
+
+    nbdkit 1.32's main() calls set_exit_with_parent() unconditionally (server/main.c:575,
+    not only for --exit-with-parent), so an ``nbdkit -f`` receives SIGTERM the moment the
+    thread that started it exits: the `up` process. The plugin is loaded after that call,
+    in the same thread, so clearing it here is enough. None on success, else the reason.
+    """
+    if _libc.prctl(PR_SET_PDEATHSIG, 0, 0, 0, 0) != 0:
+        return os.strerror(ctypes.get_errno())
+    return None

@@ -7,13 +7,16 @@ here; the mapping of exceptions to errno values is the plugin's only other job.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import dictionaries, latency, protect, system
 from .config import Config, load_config
 from .control import ControlServer
+from .guard import SignalGuard
 from .maintenance import Maintainer
 from .store import PageStore
 from .units import parse_size
@@ -44,6 +47,7 @@ class Protection:
     oom_score: str | None = "not tried"
     io_flusher: str | None = "not tried"
     io_flusher_threads: set[int] = field(default_factory=set)
+    parent_death_signal: str | None = "not tried"
 
 
 class Server:
@@ -61,6 +65,7 @@ class Server:
         self.latency = latency.Latency()  # the plugin times pread/pwrite into it
         self.started = time.time()
         self._flusher_lock = threading.Lock()
+        self.guard: SignalGuard | None = None
 
     @classmethod
     def from_keys(cls, keys: dict[str, str]) -> Server:
@@ -70,9 +75,15 @@ class Server:
         dictionaries.check_setting(config)  # a bad dictionary file stops nbdkit before it listens
         return cls(options, config)
 
-    def start(self) -> None:
-        """After nbdkit forked: lock memory, build the store, open the control socket."""
-        # nbdkit --swap already did mlockall, but locks do not survive a fork; do it here too.
+    def start(self, stop: Callable[[], None] | None = None) -> None:
+        """After nbdkit forked, in its main thread: refuse polite signals, lock memory,
+        build the store, open the control socket. ``stop`` asks the host process to exit
+        (nbdkit.shutdown); without it signals keep their old meaning."""
+        if stop is not None:
+            self.guard = SignalGuard(stop, _say)
+            self.guard.install()
+        self.protection.parent_death_signal = protect.clear_parent_death_signal()
+        # mlockall is undone by fork(): lock again in the process that serves.
         self.protection.memory_locked = protect.lock_memory()
         self.protection.oom_score = protect.lower_oom_score()
         self.protection.io_flusher = protect.set_io_flusher()
@@ -108,7 +119,35 @@ class Server:
             "defrag": self._defrag,
             "reclaim": self._reclaim,
             "slots": self._slots,
+            "health": self._health,
+            "guard": self._guard,
+            "shutdown": self._shutdown,
         }
+
+    def _health(self, request: dict) -> dict:
+        """Unlike ping, this waits for the store lock: a wedged request path times out."""
+        return {"pid": os.getpid(), "store": self.store.health(),
+                "guarded": self.guard is not None and self.guard.guarded()}
+
+    def _guard(self, request: dict) -> dict:
+        """`up` names the device before swapon: polite signals are refused while it is swap."""
+        device = request.get("device")
+        if not isinstance(device, str) or not device.startswith("/dev/"):
+            raise ValueError('"device" must be a /dev path')
+        if self.guard is None:
+            raise ValueError("this server was started without a signal guard")
+        self.guard.arm(device)
+        return {"device": device}
+
+    def _shutdown(self, request: dict) -> dict:
+        """The regular stop, sent by `down` after swapoff; refused while swap is on."""
+        if self.guard is None:
+            raise ValueError("this server was started without a signal guard: stop it with SIGTERM")
+        if self.guard.guarded():
+            raise ValueError(f"{self.guard.device} is still swap: swapoff first (agentzip-blk down)")
+        _say("agentzip: shutdown requested over the control socket")
+        self.guard.stop()
+        return {"pid": os.getpid()}
 
     def _slots(self, request: dict) -> dict:
         """Per-slot sizes for `stats --cgroup`: request {"slots": [n, ...]}. A request line is
@@ -141,7 +180,15 @@ class Server:
             "memory_locked": self.protection.memory_locked is None,
             "oom_score_lowered": self.protection.oom_score is None,
             "io_flusher": self.protection.io_flusher is None,
+            "parent_death_signal_cleared": self.protection.parent_death_signal is None,
+            "guarded_device": self.guard.device if self.guard else None,
+            "signals_refused": dict(self.guard.refused) if self.guard else {},
             "maintenance_rounds": self.maintainer.rounds if self.maintainer else 0,
             "maintenance_error": self.maintainer.last_error if self.maintainer else None,
         }
         return stats
+
+
+def _say(message: str) -> None:
+    """One line in the server's log (nbdkit's stderr is RUN/nbdkit.log)."""
+    print(message, file=sys.stderr, flush=True)

@@ -18,7 +18,6 @@ exists); such plugins get ``size=BYTES`` and no control socket.
 from __future__ import annotations
 
 import os
-import site
 import sys
 from pathlib import Path
 
@@ -29,6 +28,7 @@ __all__ = [
     "nbdkit_command",
     "server_command",
     "plugin_env",
+    "plugin_python_path",
 ]
 
 DEFAULT_PLUGIN = "agentzip_plugin.py"
@@ -93,38 +93,44 @@ def server_command(plugin: str, nbd_socket: str, control_socket: str | None, pid
     return cmd
 
 
-def _python_path_entries() -> list[str]:
-    entries: list[str] = []
-    # the directory that holds the agentzip_blk package (works for editable installs too)
-    entries.append(str(Path(__file__).resolve().parent.parent))
-    # this interpreter's own site-packages (the venv's), ahead of Debian's
-    cands: list[str] = []
-    try:
-        cands += site.getsitepackages()
-    except AttributeError:  # pragma: no cover - very old virtualenv
-        pass
-    prefix = os.path.realpath(sys.prefix)
-    for p in cands:
-        if os.path.isdir(p) and os.path.realpath(p).startswith(prefix + os.sep):
-            entries.append(p)
-    return entries
+# nbdkit's embedded interpreter finds its prefix by looking for python3 on PATH: a pyenv,
+# conda or venv python3 ahead of /usr/bin gave it another stdlib and no Debian dist-packages
+# ("error running this script", ModuleNotFoundError). So nbdkit gets this PATH, and nothing
+# else of the caller's environment reaches the interpreter (PYTHONHOME, PYTHONPATH,
+# PYTHONSTARTUP, the user's site directory).
+SERVER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
-def plugin_env(base: dict | None = None) -> dict:
-    """Environment for nbdkit: PYTHONPATH has the project dir and this venv's site-packages.
+def plugin_python_path() -> list[str]:
+    """The package's own directory, then this interpreter's site directories, in its order.
 
-    nbdkit embeds Debian's libpython 3.11 and does not know about the venv.
+    Pinned from the interpreter that runs the CLI (the venv, built on Debian's python3, the
+    same libpython nbdkit embeds). Only site directories: the stdlib is the embedded
+    interpreter's own, and mixing in another build's would break it.
     """
-    env = dict(os.environ if base is None else base)
-    entries = _python_path_entries()
-    old = env.get("PYTHONPATH")
-    if old:
-        entries += [p for p in old.split(os.pathsep) if p and p not in entries]
+    entries = [str(Path(__file__).resolve().parent.parent)]
+    for p in sys.path:
+        if p and os.path.basename(p) in ("site-packages", "dist-packages") and os.path.isdir(p):
+            entries.append(p)
     seen: list[str] = []
     for p in entries:
         if p not in seen:
             seen.append(p)
-    env["PYTHONPATH"] = os.pathsep.join(seen)
-    # numpy's OpenBLAS starts a thread per core with its own buffers; the store does no BLAS.
-    env.setdefault("OPENBLAS_NUM_THREADS", "1")
-    return env
+    return seen
+
+
+def plugin_env() -> dict[str, str]:
+    """The whole environment of nbdkit: independent of the caller's (see SERVER_PATH), but
+    for the project's own AGENTZIP_* settings (AGENTZIP_DICT_DIR, ...)."""
+    own = {k: v for k, v in os.environ.items() if k.startswith("AGENTZIP_")}
+    return {
+        **own,
+        "PATH": SERVER_PATH,
+        "PYTHONPATH": os.pathsep.join(plugin_python_path()),
+        "PYTHONNOUSERSITE": "1",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "LANG": "C.UTF-8",
+        # numpy's OpenBLAS starts a thread per core with its own buffers; the store does no BLAS.
+        "OPENBLAS_NUM_THREADS": "1",
+        "HOME": "/root" if os.geteuid() == 0 else os.environ.get("HOME", "/"),
+    }

@@ -209,6 +209,21 @@ def process_cmdline(pid: int) -> list[str]:
     return [a.decode(errors="surrogateescape") for a in raw.split(b"\0") if a]
 
 
+def process_state(pid: int | None) -> str | None:
+    """The state letter of ``pid`` in /proc/PID/stat (R, S, D, T stopped, t traced, Z...),
+    None when there is no such process."""
+    if not pid or pid <= 0:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # state is the field after the parenthesised comm (which may contain spaces)
+    state = stat.rpartition(")")[2].split()[:1]
+    return state[0] if state else None
+
+
 def pid_alive(pid: int | None) -> bool:
     """True when ``pid`` runs and is not a zombie. Reaps it if it is our own dead child."""
     if not pid or pid <= 0:
@@ -221,14 +236,7 @@ def pid_alive(pid: int | None) -> bool:
         pass
     except OSError:
         pass
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    # state is the field after the parenthesised comm (which may contain spaces)
-    state = stat.rpartition(")")[2].split()[:1]
-    return bool(state) and state[0] not in ("Z", "X")
+    return process_state(pid) not in (None, "Z", "X")
 
 
 def set_oom_score_adj(pid: int, value: int = -1000) -> bool:

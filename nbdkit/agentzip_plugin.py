@@ -24,6 +24,9 @@ except NameError:
 
 from agentzip_blk import protect  # noqa: E402
 
+# nbdkit -f has set PR_SET_PDEATHSIG(SIGTERM) on itself before loading us: a server that died
+# with the process that ran `up` would take every swapped page with it.
+protect.clear_parent_death_signal()
 protect.lock_memory()  # before the heavy imports fault their pages in; again after fork
 
 from agentzip_blk.server import Server  # noqa: E402
@@ -60,7 +63,8 @@ def config_complete():
 
 
 def after_fork():
-    _server.start()
+    # nbdkit has installed its quit handlers by now; the server's guard replaces them.
+    _server.start(stop=nbdkit.shutdown)
 
 
 def cleanup():

@@ -22,7 +22,7 @@ def test_status_json(tmp_path):
     assert rc == cli.EXIT_NOT_ATTACHED
     assert set(st) == {"run_dir", "attached", "state", "server", "nbdfuse", "device", "mode",
                        "loop", "mount", "swap", "other_swaps", "higher_priority_swaps",
-                       "zswap_enabled", "kernel_nbd", "warnings"}
+                       "zswap_enabled", "kernel_nbd", "warnings", "healthy", "health"}
     assert st["attached"] is False and st["run_dir"] == str(tmp_path)
 
 

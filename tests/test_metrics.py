@@ -14,6 +14,7 @@ import io
 import json
 import os
 import random
+import signal
 import threading
 import urllib.request
 from pathlib import Path
@@ -91,6 +92,29 @@ def test_exporter_down_server_reports_up_zero(tmp_path):
         m = scrape(url)
     assert m[("agentzip_up", ())] == 0
     assert ("agentzip_orig_bytes", ()) not in m
+
+
+@pytest.mark.nbdkit
+@pytest.mark.skipif(nbdkit_available() is not None, reason=str(nbdkit_available()))
+def test_up_is_zero_while_the_server_is_stopped(tmp_path):
+    """A stopped server still has its sockets; only an answer to health counts as up."""
+    config = tmp_path / "config.yaml"
+    config.write_text(f"pool:\n  swap_out_path: {tmp_path / 'disk-tier'}\n")
+    srv = start_server(tmp_path, size=str(SIZE), config=config)
+    try:
+        col = metrics.Collector(metrics.control_stats(srv.control_socket))
+        with exporter(col) as url:
+            assert scrape(url)[("agentzip_up", ())] == 1
+            os.kill(srv.proc.pid, signal.SIGSTOP)
+            try:
+                m = scrape(url)
+            finally:
+                os.kill(srv.proc.pid, signal.SIGCONT)
+            assert m[("agentzip_up", ())] == 0
+            assert ("agentzip_orig_bytes", ()) not in m
+            assert scrape(url)[("agentzip_up", ())] == 1
+    finally:
+        srv.stop()
 
 
 @pytest.mark.nbdkit
