@@ -408,7 +408,7 @@ class Agentzip(NoSwap):
     def __init__(self, tmp: str, size: int, tuned: bool, scope_glob: str):
         self.name = "agentzip-tuned" if tuned else "agentzip"
         self.tuned, self.size, self.glob = tuned, size, scope_glob
-        self.dir = os.path.join(tmp, self.name)
+        self.dir = os.path.join(tmp, "t" if tuned else "a")  # short: the run dir holds unix sockets
         self.run_dir = os.path.join(self.dir, "run")
         self.cfg = os.path.join(self.dir, "config.yaml")
         self.cli = self._cli()
@@ -847,6 +847,10 @@ def summarize(results: dict, baseline: dict, opts: Options) -> dict:
                   "vs_zram": round(d / dens["zram"], 2) if dens.get("zram") else None}
         acts = [n for n, r in results[k]["trials"].items() if r.get("holds_on_act")]
         out[k]["act_only_largest_n"] = max(acts, default=0)
+        d_az = dens.get("agentzip")
+        at_az = results[k]["trials"].get(d_az) if d_az else None
+        if at_az:
+            out[k]["p99_round_s_at_defaults_density"] = at_az["p99_round_s"]
         held = results[k]["trials"].get(d) if d else None
         if held:
             out[k]["p99_round_s_at_density"] = held["p99_round_s"]
@@ -910,9 +914,36 @@ def markdown(doc: dict) -> str:
             f"{_fmt(dev.get('ratio'))} | {_fmt(r.get('store_end_mib'), '.0f')} | {_fmt(r.get('build_s'), '.0f')} | "
             f"{(r.get('failure') or '').replace('|', '/')[:90]} |")
     lines += ["", "![p99 round time against N per configuration](docs/density.png)", ""]
+    lines += targets(s)
     lines += doc.get("notes", [])
     lines.append(END)
     return "\n".join(lines)
+
+
+def targets(s: dict) -> list[str]:
+    """The issue's targets, met or missed, with the figures."""
+    if not all(k in s for k in CONFIGS):
+        return []
+    az, tz, z, ns = s["agentzip"], s["agentzip-tuned"], s["zram"], s["noswap"]
+
+    def verdict(ok: bool) -> str:
+        return "**met**" if ok else "**missed**"
+
+    out = ["Targets (issue 18):", ""]
+    if ns["density"] and z["density"]:
+        out.append(f"- agentzip-blk >= 2.5x the sandboxes of no swap: {verdict(az['vs_noswap'] >= 2.5)} "
+                   f"({az['density']} vs {ns['density']}: {az['vs_noswap']:.2f}x; with the tuner "
+                   f"{tz['vs_noswap']:.2f}x)")
+        out.append(f"- agentzip-blk >= 1.4x the sandboxes of zram lz4: {verdict(az['vs_zram'] >= 1.4)} "
+                   f"({az['density']} vs {z['density']}: {az['vs_zram']:.2f}x; with the tuner "
+                   f"{tz['vs_zram']:.2f}x)")
+    p_t, p_a = tz.get("p99_round_s_at_defaults_density"), az.get("p99_round_s_at_density")
+    lower = p_t is not None and p_a is not None and p_t < p_a
+    out.append(f"- the tuner holds at least as many as the defaults, at a lower p99: "
+               f"{verdict(tz['density'] >= az['density'] and lower)} ({tz['density']} vs {az['density']}; "
+               f"p99 round at N = {az['density']}: {_fmt(p_t)} s with the tuner vs {_fmt(p_a)} s)")
+    out.append("")
+    return out
 
 
 def plot(doc: dict, path: str) -> None:
@@ -1014,7 +1045,7 @@ def main(argv=None) -> int:
     png_path = a.png or (None if a.quick else os.path.join(REPO, "docs", "density.png"))
     t0 = time.monotonic()
     started = datetime.datetime.now(datetime.timezone.utc)
-    tmp = tempfile.mkdtemp(prefix="azdens-", dir=opts.workdir)
+    tmp = tempfile.mkdtemp(prefix="azd-", dir=opts.workdir)
     doc: dict = {"command": "sudo .venv/bin/python tools/bench_density.py " + shlex.join(argv),
                  "started": started.strftime("%Y-%m-%d %H:%M UTC"),
                  "machine": {"kernel": platform.release(), "cpus": os.cpu_count()},
