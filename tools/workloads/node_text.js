@@ -11,6 +11,10 @@
 //   stdout READY <rss>; stdin CHECK -> CHECK ok|FAIL <sum> <sum_s> <touch_s> <pages>;
 //   stdin TOUCH -> VERIFY ok <sum> <sum_s> <touch_s> <pages> (exit 0) | VERIFY FAIL <got> <want> (exit 1);
 //   EOF before TOUCH: exit 2.
+//   With --agent-loop (tools/bench_density.py): a digest per document at build time, and
+//   stdin ROUND <seed> <ws_fraction> <transient_mib> -> ROUND ok <act_s> <items> <bytes> |
+//   ROUND FAIL <item> <got> <want>: verify a skewed choice of documents (mostly the newest,
+//   protocol.py skewed_picks), then tokenize ~transient_mib MiB of their text again (freed).
 // TOUCH reads every page this process holds in RAM or swap (pagemap + /proc/self/mem, as
 // tools/workloads/pagewalk.py does), then recomputes the checksum over all kept data.
 //
@@ -24,11 +28,12 @@ const PAGE = 4096;
 const BASE_BYTES = 70 << 20; // node itself before any data (RSS): code, builtins, snapshot, young generation
 
 function parseArgs(argv) {
-  const opt = { mb: 300, seed: 1, corrupt: false };
+  const opt = { mb: 300, seed: 1, corrupt: false, agentLoop: false };
   for (let i = 0; i < argv.length; i++) {
     if (argv[i] === '--mb') opt.mb = Number(argv[++i]);
     else if (argv[i] === '--seed') opt.seed = Number(argv[++i]);
     else if (argv[i] === '--corrupt-for-test') opt.corrupt = true;
+    else if (argv[i] === '--agent-loop') opt.agentLoop = true;
     else { process.stderr.write(`node_text: unknown argument ${argv[i]}\n`); process.exit(64); }
   }
   return opt;
@@ -158,6 +163,60 @@ function checksum(state) {
   return h.digest('hex').slice(0, 32);
 }
 
+function docDigest(d) {
+  const h = crypto.createHash('sha256');
+  const SEP = '\u0001';
+  h.update(d.id + SEP + d.title + SEP + d.chars + SEP + d.text + SEP);
+  h.update(d.tokens.join(SEP));
+  for (const [t, c] of d.freq) h.update(t + SEP + c + SEP);
+  h.update(JSON.stringify(d.top));
+  h.update(Buffer.from(d.ids.buffer, d.ids.byteOffset, d.ids.byteLength));
+  h.update(Buffer.from(d.weights.buffer, d.weights.byteOffset, d.weights.byteLength));
+  return h.digest('hex').slice(0, 32);
+}
+
+// protocol.py skewed_picks: k distinct docs, each one of the newest fifth with p 0.8, else any
+function skewedPicks(r, n, k) {
+  k = Math.max(1, Math.min(n, k));
+  const recent = Math.max(1, Math.floor(n * 0.2));
+  const seen = new Set();
+  const out = [];
+  while (out.length < k) {
+    const i = r.next() < 0.8 ? n - 1 - r.int(recent) : r.int(n);
+    if (!seen.has(i)) { seen.add(i); out.push(i); }
+  }
+  return out;
+}
+
+function act(state, digests, seed, frac, mib) {
+  const r = rng(seed);
+  const picks = skewedPicks(r, state.docs.length, Math.round(frac * state.docs.length));
+  let bytes = 0;
+  for (const i of picks) {
+    const got = docDigest(state.docs[i]);
+    if (got !== digests[i]) return [`doc${i}`, got, digests[i]];
+    bytes += state.docs[i].chars * 2 + state.docs[i].ids.byteLength * 2;
+  }
+  // transient: the tool's working copy of the picked text, re-tokenized and counted
+  const want = mib * 1048576;
+  const parts = [];
+  let size = 0;
+  while (size < want) {
+    for (const i of picks) {
+      parts.push(state.docs[i].text);
+      size += state.docs[i].text.length;
+      if (size >= want) break;
+    }
+  }
+  const big = parts.join('\n');
+  const freq = new Map();
+  let ntok = 0;
+  const re = new RegExp(TOKEN.source, 'g');
+  for (let m = re.exec(big); m !== null; m = re.exec(big)) { freq.set(m[0], (freq.get(m[0]) || 0) + 1); ntok++; }
+  if (ntok === 0) return ['tokens', '0', '>0'];
+  return [null, picks.length, bytes];
+}
+
 // Read every page this process holds in RAM or in swap: private mappings, pages whose
 // pagemap entry says "swapped" (bit 62), or "present" (bit 63) and not a file page (bit 61).
 function touchPages() {
@@ -211,6 +270,7 @@ function main() {
   const t0 = Date.now();
   const state = build(opt);
   const want = checksum(state);
+  const digests = opt.agentLoop ? state.docs.map(docDigest) : null;
   const m = process.memoryUsage();
   process.stderr.write(`node_text: ${state.docs.length} docs, ${state.tf.size} terms, ` +
     `heap ${m.heapUsed >> 20} MiB, rss ${m.rss >> 20} MiB, built in ${((Date.now() - t0) / 1000).toFixed(1)}s, ` +
@@ -221,6 +281,16 @@ function main() {
   rl.on('line', (line) => {
     const cmd = line.trim();
     if (done) return;
+    if (cmd.startsWith('ROUND')) {
+      if (!digests) { process.stdout.write('ROUND FAIL - unsupported (start the workload with --agent-loop)\n'); return; }
+      const [seed, frac, mib] = cmd.split(/\s+/).slice(1).map(Number);
+      const t = process.hrtime.bigint();
+      const res = act(state, digests, seed, frac, mib);
+      const dt = Number(process.hrtime.bigint() - t) / 1e9;
+      if (res[0] === null) process.stdout.write(`ROUND ok ${dt.toFixed(4)} ${res[1]} ${res[2]}\n`);
+      else process.stdout.write(`ROUND FAIL ${res[0]} ${res[1]} ${res[2]}\n`);
+      return;
+    }
     if (cmd !== 'CHECK' && cmd !== 'TOUCH') {
       if (cmd) process.stderr.write(`node_text: unknown command ${JSON.stringify(cmd)}\n`);
       return;

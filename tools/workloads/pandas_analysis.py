@@ -162,6 +162,67 @@ def checksum(frames: dict[str, pd.DataFrame]) -> str:
     return h.hexdigest()
 
 
+CHUNK_ROWS = 1024  # rows per item of the agent loop (protocol ROUND)
+
+
+def chunk_items(frames: dict[str, pd.DataFrame]) -> list[tuple[str, int, int]]:
+    """(frame, first row, end row) of every chunk of every frame, oldest rows first, so that
+    the last items are the most recent rows of every frame (the orders arrive in order)."""
+    items = []
+    for name in sorted(frames):
+        n = len(frames[name])
+        items += [(a // CHUNK_ROWS, name, a, min(n, a + CHUNK_ROWS)) for a in range(0, n, CHUNK_ROWS)]
+    items.sort()
+    return [(name, a, b) for _, name, a, b in items]
+
+
+def chunk_digest(frames: dict[str, pd.DataFrame], item: tuple[str, int, int]) -> str:
+    name, a, b = item
+    part = frames[name].iloc[a:b]
+    if isinstance(part.columns, pd.MultiIndex):
+        part = part.set_axis(["|".join(map(str, c)) for c in part.columns], axis=1)
+    h = hashlib.blake2b(digest_size=16)
+    h.update(pd.util.hash_pandas_object(part, index=True).to_numpy().tobytes())
+    return h.hexdigest()
+
+
+class AgentLoop:
+    """Protocol ROUND on the frames: verify a skewed choice of row chunks, then a transient
+    analysis of them (a copy of ~transient_mib MiB, a group-by over it), freed at the end."""
+
+    def __init__(self, frames: dict[str, pd.DataFrame]):
+        self.frames = frames
+        self.items = chunk_items(frames)
+        self.digests = [chunk_digest(frames, it) for it in self.items]
+
+    def act(self, rng, frac: float, transient_mib: float) -> tuple:
+        picks = protocol.skewed_picks(rng, len(self.items), round(frac * len(self.items)))
+        nbytes = 0
+        for i in picks:
+            got = chunk_digest(self.frames, self.items[i])
+            if got != self.digests[i]:
+                return f"{self.items[i][0]}[{self.items[i][1]}:{self.items[i][2]}]", got, self.digests[i]
+            name, a, b = self.items[i]
+            nbytes += int(self.frames[name].iloc[a:b].memory_usage(index=True, deep=True).sum())
+        joined = self.frames["joined"]
+        rows = [(a, b) for name, a, b in (self.items[i] for i in picks) if name == "joined"] or [(0, CHUNK_ROWS)]
+        per_row = max(1, int(joined.memory_usage(index=True, deep=True).sum()) // max(1, len(joined)))
+        want = max(1, int(transient_mib * 1024 * 1024 / per_row))
+        parts, got_rows = [], 0
+        while got_rows < want:  # the tool's working copy: the picked rows, as often as needed
+            for a, b in rows:
+                parts.append(joined.iloc[a:b])
+                got_rows += b - a
+                if got_rows >= want:
+                    break
+        work = pd.concat(parts, ignore_index=True)
+        summary = work.groupby(["region", "channel"], observed=True)["revenue"].agg(["sum", "mean", "count"])
+        if int(summary["count"].sum()) != len(work):
+            return "groupby", str(int(summary["count"].sum())), str(len(work))
+        del work, parts, summary
+        return None, len(picks), nbytes
+
+
 def rows_for(mb: float) -> int:
     return max(2000, int((mb - BASE_MB) * (1 << 20) / BYTES_PER_ROW))
 
@@ -170,6 +231,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mb", type=float, default=300, help="target RSS in MiB (default 300)")
     ap.add_argument("--seed", type=int, default=1, help="content seed (default 1)")
+    ap.add_argument("--agent-loop", action="store_true",
+                    help="take a digest per row chunk at build time and answer ROUND (protocol.py)")
     ap.add_argument("--corrupt-for-test", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
 
@@ -178,6 +241,8 @@ def main(argv=None) -> int:
     frames = analyse(np.random.default_rng(a.seed), rows)
     gc.collect()
     want = checksum(frames)
+    loop = AgentLoop(frames) if a.agent_loop else None
+    gc.collect()
     gc.freeze()
 
     def corrupt() -> None:
@@ -188,7 +253,8 @@ def main(argv=None) -> int:
           + f"; rss {rss_bytes() >> 20} MiB, built in {time.monotonic() - t0:.1f}s, checksum {want}",
           file=sys.stderr, flush=True)
     return protocol.serve("pandas_analysis", want, lambda: checksum(frames),
-                          corrupt=corrupt if a.corrupt_for_test else None)
+                          corrupt=corrupt if a.corrupt_for_test else None,
+                          act=loop.act if loop else None)
 
 
 if __name__ == "__main__":

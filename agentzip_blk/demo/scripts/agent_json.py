@@ -340,6 +340,8 @@ class Heap:
         self.raw: list[str] = []  # raw JSON of every round
         self.sessions: list[dict] = []  # parsed rounds, messages, tokens, embedding
         self.pool: dict[str, str] = {}  # interned names / paths / urls
+        self.raw_of: list[tuple[int, int]] = []  # per session: its slice of self.raw
+        self.digests: list[str] = []  # per session, with --agent-loop (protocol ROUND)
 
     def intern(self, s: str) -> str:
         return self.pool.setdefault(s, s)
@@ -381,6 +383,7 @@ class Heap:
                                           if w.strip(".?:!").lower() in g.token_id)
                 est += int(len(raw) * HEAP_PER_RAW_BYTE)
             sess["embedding"].extend(r.gauss(0.0, 0.25) for _ in range(384))
+            self.raw_of.append((len(self.raw) - len(sess["rounds"]), len(self.raw)))
             self.sessions.append(sess)
             sid += 1
 
@@ -398,6 +401,44 @@ class Heap:
             h.update(k.encode())
         return h.hexdigest()
 
+    def session_text(self, i: int) -> str:
+        """Session *i* as the next prompt would carry it: its raw rounds and its objects."""
+        a, b = self.raw_of[i]
+        sess = self.sessions[i]
+        return "".join(self.raw[a:b]) + json.JSONEncoder(separators=(",", ":"), default=_arr).encode(sess) \
+            + sess["tokens"].tobytes().hex() + sess["embedding"].tobytes().hex()
+
+    def take_digests(self) -> None:
+        self.digests = [hashlib.blake2b(self.session_text(i).encode(), digest_size=16).hexdigest()
+                        for i in range(len(self.sessions))]
+
+    def act(self, rng, frac: float, transient_mib: float) -> tuple:
+        """One agent round (protocol ROUND): re-read a skewed choice of sessions and verify
+        them, then build a prompt of ~transient_mib MiB from them and parse it back (freed)."""
+        picks = protocol.skewed_picks(rng, len(self.sessions), round(frac * len(self.sessions)))
+        texts, nbytes = [], 0
+        for i in picks:
+            t = self.session_text(i)
+            got = hashlib.blake2b(t.encode(), digest_size=16).hexdigest()
+            if got != self.digests[i]:
+                return f"session{i}", got, self.digests[i]
+            nbytes += len(t)
+            texts.append(t)
+        want = int(transient_mib * 1024 * 1024)
+        parts, size = [], 0
+        while size < want:  # the next prompt: the picked context, repeated as it accumulates
+            for t in texts:
+                parts.append(json.dumps({"role": "user", "content": t[: want - size]}))
+                size += len(parts[-1])
+                if size >= want:
+                    break
+        prompt = "[" + ",".join(parts) + "]"
+        back = json.loads(prompt)
+        if len(back) != len(parts):
+            return "prompt", str(len(back)), str(len(parts))
+        del parts, prompt, back, texts
+        return None, len(picks), nbytes
+
     def corrupt(self) -> None:
         """Flip one value in the middle of the heap (for the test of VERIFY FAIL)."""
         sess = self.sessions[len(self.sessions) // 2]
@@ -414,6 +455,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mb", type=float, default=300, help="target live heap in MiB (default 300)")
     ap.add_argument("--seed", type=int, default=1, help="content seed (default 1)")
+    ap.add_argument("--agent-loop", action="store_true",
+                    help="take a digest per session at build time and answer ROUND (protocol.py)")
     ap.add_argument("--corrupt-for-test", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
 
@@ -424,13 +467,16 @@ def main(argv=None) -> int:
     heap.build()
     t_build = time.monotonic() - t0
     want = heap.checksum()
+    if a.agent_loop:
+        heap.take_digests()
     gc.freeze()
     print(f"agent_json: {len(heap.sessions)} sessions, {len(heap.raw)} rounds, "
           f"{sum(map(len, heap.raw)) >> 20} MiB raw JSON, pool {len(heap.pool)}, "
           f"rss {rss_bytes() >> 20} MiB (+{(rss_bytes() - rss0) >> 20}), built in {t_build:.1f}s, "
           f"checksum {want}", file=sys.stderr, flush=True)
     return protocol.serve("agent_json", want, heap.checksum,
-                          corrupt=heap.corrupt if a.corrupt_for_test else None)
+                          corrupt=heap.corrupt if a.corrupt_for_test else None,
+                          act=heap.act if a.agent_loop else None)
 
 
 if __name__ == "__main__":
