@@ -28,8 +28,8 @@ sandboxes' glob, ``up --tune``). A configuration *holds* at N when no sandbox wa
 or died, every round verified, and the p99 round time is at most 1.25x the p99 of the same
 N with no memory limit and no swap (``nolimit``, measured in the same run, so CPU
 contention on 2 cores is not blamed on memory). Density = the largest N that holds: N
-doubles from a start (``--start``; later configurations start at the previous one's
-density), then bisects to ``--resolution``.
+doubles from a start (``--start``; each later configuration starts at the largest density
+found so far), then bisects until hi - lo <= max(1, 15% of lo).
 
 Writes ``results/bench_density.json``, ``docs/density.png`` and the section of BENCHMARKS.md
 between ``<!-- bench_density:begin -->`` and ``<!-- bench_density:end -->`` (``--from-json``
@@ -845,6 +845,7 @@ def summarize(results: dict, baseline: dict, opts: Options) -> dict:
         out[k] = {"density": d, "memory_per_sandbox_mib": round(L / d / MiB, 1) if d else None,
                   "vs_noswap": round(d / dens["noswap"], 2) if dens.get("noswap") else None,
                   "vs_zram": round(d / dens["zram"], 2) if dens.get("zram") else None}
+        out[k]["p99_round_s_by_n"] = {int(n): r["p99_round_s"] for n, r in results[k]["trials"].items()}
         acts = [n for n, r in results[k]["trials"].items() if r.get("holds_on_act")]
         out[k]["act_only_largest_n"] = max(acts, default=0)
         d_az = dens.get("agentzip")
@@ -937,11 +938,14 @@ def targets(s: dict) -> list[str]:
         out.append(f"- agentzip-blk >= 1.4x the sandboxes of zram lz4: {verdict(az['vs_zram'] >= 1.4)} "
                    f"({az['density']} vs {z['density']}: {az['vs_zram']:.2f}x; with the tuner "
                    f"{tz['vs_zram']:.2f}x)")
-    p_t, p_a = tz.get("p99_round_s_at_defaults_density"), az.get("p99_round_s_at_density")
+    # the p99 of both at the tuner's density (the defaults were tried there on the way down)
+    n = tz["density"]
+    p_t = {int(k): v for k, v in tz.get("p99_round_s_by_n", {}).items()}.get(n)
+    p_a = {int(k): v for k, v in az.get("p99_round_s_by_n", {}).items()}.get(n)
     lower = p_t is not None and p_a is not None and p_t < p_a
     out.append(f"- the tuner holds at least as many as the defaults, at a lower p99: "
                f"{verdict(tz['density'] >= az['density'] and lower)} ({tz['density']} vs {az['density']}; "
-               f"p99 round at N = {az['density']}: {_fmt(p_t)} s with the tuner vs {_fmt(p_a)} s)")
+               f"p99 round at N = {n}: {_fmt(p_t)} s with the tuner vs {_fmt(p_a)} s at the defaults)")
     out.append("")
     return out
 
@@ -954,34 +958,49 @@ def plot(doc: dict, path: str) -> None:
 
     colors = {"nolimit": "#444444", "noswap": "#d62728", "zram": "#1f77b4", "agentzip": "#2ca02c",
               "agentzip-tuned": "#9467bd"}
-    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=110)
+    fig, ax = plt.subplots(figsize=(11, 5.5), dpi=110)
     base = sorted((int(n), r["p99_round_s"]) for n, r in doc["baseline"].items())
     if base:
         xs, ys = zip(*base)
         ax.plot(xs, ys, "o-", color=colors["nolimit"], label="no limit, no swap (baseline)")
         ax.plot(xs, [BOUND * y for y in ys], "--", color=colors["nolimit"], alpha=0.7,
                 label=f"{BOUND}x baseline p99 (the bound)")
-    ymax = max([BOUND * y for _, y in base] or [1.0])
+    allp = [BOUND * y for _, y in base] + [r["p99_round_s"] for k in CONFIGS
+                                           for r in doc["configs"].get(k, {}).get("trials", {}).values()
+                                           if r.get("p99_round_s") is not None]
+    ymax = max(allp or [1.0]) * 1.35
+    ymin = min(allp or [1.0]) * 0.6
     for k in CONFIGS:
         trials = doc["configs"].get(k, {}).get("trials", {})
         pts = sorted((int(n), r) for n, r in trials.items())
         if not pts:
             continue
-        xs = [n for n, _ in pts]
-        ys = [r["p99_round_s"] if r.get("p99_round_s") is not None else float("nan") for _, r in pts]
-        ax.plot(xs, ys, "o-", color=colors[k], label=f"{k} (density {doc['configs'][k].get('density')})")
+        measured = [(n, r) for n, r in pts if r.get("p99_round_s") is not None]
+        ax.plot([n for n, _ in measured], [r["p99_round_s"] for _, r in measured], "o-", color=colors[k],
+                label=f"{k} (density {doc['configs'][k].get('density')})")
         for n, r in pts:
-            if not r.get("holds"):
-                y = r["p99_round_s"] if r.get("p99_round_s") is not None else ymax * 1.05
+            if r.get("holds"):
+                continue
+            if r.get("p99_round_s") is not None:
+                ax.plot([n], [r["p99_round_s"]], "x", color=colors[k], markersize=11, mew=2.5)
+            else:  # ended before any round: OOM kill (or thrashing), drawn at the top
+                y = ymax / 1.25
                 ax.plot([n], [y], "x", color=colors[k], markersize=11, mew=2.5)
-        ymax = max([ymax] + [y for y in ys if y == y])
-    ax.set_ylim(0, ymax * 1.12)
+                ax.annotate((r.get("failure_kind") or "failed").replace("oom", "OOM"), (n, y),
+                            textcoords="offset points", xytext=(0, 8), ha="center", fontsize=7,
+                            color=colors[k])
+    ax.set_yscale("log")
+    ax.set_ylim(ymin, ymax)
+    ticks = [t for t in (1, 2, 3, 5, 8, 10, 12, 15, 20, 30, 50, 80, 100, 200) if ymin <= t <= ymax]
+    ax.set_yticks(ticks)
+    ax.set_yticklabels([f"{t:g}" for t in ticks])
+    ax.minorticks_off()
     ax.set_xlabel("sandboxes in the host (N)")
-    ax.set_ylabel("p99 round time, think + act (s) - lower is better")
+    ax.set_ylabel("p99 round time, think + act (s, log scale) - lower is better")
     ax.set_title(f"Agent sandboxes in {doc['options']['limit'] / MiB:.0f} MiB: p99 round time vs N "
                  "(x = does not hold)")
     ax.grid(True, alpha=0.3)
-    ax.legend(loc="upper left", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path)
@@ -1033,6 +1052,13 @@ def main(argv=None) -> int:
     if a.from_json:
         with open(a.from_json) as f:
             doc = json.load(f)
+        results = {k: {"density": v["density"], "trials": {int(n): r for n, r in v["trials"].items()}}
+                   for k, v in doc["configs"].items()}
+        opts = Options(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in doc["options"].items()})
+        doc["summary"] = summarize(results, {}, opts)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(doc, f, indent=1)
         plot(doc, a.png or os.path.join(REPO, "docs", "density.png"))
         if not a.no_md:
             replace_block(a.md, markdown(doc), BEGIN, END)
