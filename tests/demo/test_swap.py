@@ -67,7 +67,7 @@ def run_dir(tmp_path_factory):
 @pytest.fixture(params=["fuse", "nbdfuse"])
 def frontend(request) -> str:
     """Each front end a host without kernel nbd has: the server's own FUSE file, nbdfuse."""
-    if system.nbd_kernel_available():
+    if facts.nbd_kernel_available():
         pytest.skip("kernel nbd host: the FUSE front ends are not what up picks")
     return request.param
 
