@@ -78,7 +78,9 @@ def resolve_tool(name: str, tools: dict) -> str:
 def is_mounted(path: str | None) -> bool:
     if not path:
         return False
-    real = os.path.realpath(path)
+    # Resolve the parent only: a stat of the mount point itself asks its FUSE server, and a
+    # server that is stopped (SIGSTOP) never answers.
+    real = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
     try:
         with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
             for line in f:
@@ -148,9 +150,9 @@ def loop_is_ours(state: RunState) -> bool:
     backing = loop_backing(state.loop_device)
     if backing is None or not state.fuse_file:
         return False
-    backing = backing.removesuffix(" (deleted)")
-    return os.path.realpath(backing) == os.path.realpath(state.fuse_file) or \
-        backing == state.fuse_file
+    # Strings only: both paths lie inside the FUSE mount, where a stat would wait on the
+    # server (for ever, if it is stopped); fuse_file was made canonical at `up` (_mountpoint).
+    return backing.removesuffix(" (deleted)") == state.fuse_file
 
 
 def _build_mlock_shim(run_dir: str) -> str | None:
@@ -413,7 +415,9 @@ def up_steps(state: RunState, timeout: float, fail_after: str | None) -> None:
 
 
 def _mountpoint(state: RunState, file_name: str) -> None:
-    mnt = os.path.join(state.run_dir, "mnt")
+    """RUN/mnt and the file in it, canonical (as losetup records its backing file), so that
+    status and teardown never need to resolve a path inside the mount."""
+    mnt = os.path.join(os.path.realpath(state.run_dir), "mnt")
     os.makedirs(mnt, mode=0o700, exist_ok=True)
     if is_mounted(mnt):
         raise DeviceError(f"{mnt} is already a mount point: fusermount3 -u {mnt}")

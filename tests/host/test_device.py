@@ -24,8 +24,8 @@ import time
 import pytest
 
 from agentzip_blk import cli, errors, procfs
-from agentzip_blk.host import attach, chain, facts, health, procs, runstate
-from agentzip_blk.host.chain import teardown
+from agentzip_blk.host import attach, facts, health, procs, runstate
+from agentzip_blk.host.chain import loop_backing, required_tools, resolve_frontend, teardown
 from agentzip_blk.host.servercmd import default_plugin_path, nbdkit_command, plugin_env
 
 SIZE = 64 << 20
@@ -402,7 +402,7 @@ def _dio(loop: str) -> str:
 
 
 @requires_swap
-def test_attach_status_detach(chain, run_dir, plugin, capsys):
+def test_attach_status_detach(chain, run_dir, plugin, frontend, capsys):
     st = chain
     assert st.mode == "fuse" or st.mode == "nbd"
     area = procfs.swap_area(st.device)
@@ -414,7 +414,7 @@ def test_attach_status_detach(chain, run_dir, plugin, capsys):
         assert _dio(st.loop_device) == "1"
         assert _mounts_under(run_dir) == [os.path.join(run_dir, "mnt")]
         assert st.frontend == frontend
-        assert chain.loop_backing(st.loop_device) == st.fuse_file
+        assert loop_backing(st.loop_device) == st.fuse_file
     if st.mode == "fuse" and frontend == "nbdfuse":
         assert procs.pid_alive(st.nbdfuse_pid)
         if facts.which("cc") or facts.which("gcc"):  # the mlockall preload shim
@@ -539,18 +539,18 @@ def test_frontend_resolution():
     from agentzip_blk.config import Config
     plugin = default_plugin_path()
     cfg = Config()
-    assert chain.resolve_frontend(cfg, None, kernel_nbd=True, plugin=plugin) == "nbd"
-    assert chain.resolve_frontend(cfg, None, kernel_nbd=False, plugin=plugin) == "fuse"
+    assert resolve_frontend(cfg, None, kernel_nbd=True, plugin=plugin) == "nbd"
+    assert resolve_frontend(cfg, None, kernel_nbd=False, plugin=plugin) == "fuse"
     # nbdkit's own plugins cannot serve FUSE: auto falls back to nbdfuse, fuse is an error
-    assert chain.resolve_frontend(cfg, None, kernel_nbd=False, plugin="memory") == "nbdfuse"
+    assert resolve_frontend(cfg, None, kernel_nbd=False, plugin="memory") == "nbdfuse"
     with pytest.raises(errors.SetupError, match="agentzip plugin"):
-        chain.resolve_frontend(cfg, "fuse", kernel_nbd=False, plugin="memory")
+        resolve_frontend(cfg, "fuse", kernel_nbd=False, plugin="memory")
     cfg.device.frontend = "nbdfuse"
-    assert chain.resolve_frontend(cfg, None, kernel_nbd=True, plugin=plugin) == "nbdfuse"
+    assert resolve_frontend(cfg, None, kernel_nbd=True, plugin=plugin) == "nbdfuse"
     cfg.device.frontend = "nbd"
     with pytest.raises(errors.SetupError, match="no nbd driver"):
-        chain.resolve_frontend(cfg, None, kernel_nbd=False, plugin=plugin)
-    assert chain.required_tools(False, frontend="fuse") == [
+        resolve_frontend(cfg, None, kernel_nbd=False, plugin=plugin)
+    assert required_tools(False, frontend="fuse") == [
         "nbdkit", "mkswap", "swapon", "swapoff", "fusermount3", "losetup"]
 
 
