@@ -42,9 +42,11 @@ def _fail(exc):
 
 
 def thread_model():
-    # The store has its own lock, and compresses and decompresses outside it: the requests
-    # of every connection run at once.
-    return nbdkit.THREAD_MODEL_PARALLEL
+    # NBD requests one at a time. The store would take them in parallel (its own lock, with
+    # compression and decompression outside it, as the FUSE front door's workers use it), but
+    # nbdkit's 16 workers per connection under nbdfuse grew the server's RSS ~35 MiB past
+    # what the store holds (tests/demo/test_swap.py, 2026-12-01); measure before enabling.
+    return nbdkit.THREAD_MODEL_SERIALIZE_ALL_REQUESTS
 
 
 def config(key, value):
