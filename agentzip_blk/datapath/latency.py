@@ -7,7 +7,7 @@ callbacks) with ``time.perf_counter`` and calls ``observe``; the ``stats`` contr
 Why fixed buckets kept here (not in the exporter): latency is only visible inside the server,
 and a scrape every 15 s cannot sample it. Why so small: it runs on every request of a swap
 device, so it is one ``bisect`` over a tuple and two increments under an uncontended lock
-(requests run in parallel, in nbdkit's worker threads and the FUSE front door's, and an
+(the FUSE front door's workers run requests in parallel, beside nbdkit's thread, and an
 increment of a list item is not atomic even under the GIL). The control thread only copies
 the lists; a snapshot that is one request stale is harmless. Buckets are non-cumulative
 here and made cumulative by the exporter. Failed requests are not observed.
