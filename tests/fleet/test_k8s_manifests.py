@@ -73,12 +73,12 @@ def test_daemonset_mounts_only_what_each_container_needs(by):
     # the run dir (nbd.sock: every sandbox's pages) only where the server is spoken to
     assert RUN not in m["node-agent"]
     assert m["tuner"][RUN] == (RUN, False)  # ledger, tuner.lock, control.sock
-    assert m["metrics"][RUN] == (RUN, True)  # control.sock + state.json, nothing written
+    assert m["metrics"] == {RUN: (RUN, True)}  # control.sock; nothing written, no config
     # cgroupfs: written by the tuner only
     assert "/sys/fs/cgroup" not in m["node-agent"] and "/sys/fs/cgroup" not in m["metrics"]
     assert m["tuner"]["/sys/fs/cgroup"] == ("/sys/fs/cgroup", False)
     # the operator's config is read-only everywhere; the node agent writes its drop-in only
-    for name in m:
+    for name in ("node-agent", "tuner"):
         assert m[name]["/etc/agentzip"] == ("/etc/agentzip", True), name
     rw = {name: sorted(p for p, (_, ro) in mm.items() if not ro) for name, mm in m.items()}
     assert rw == {"node-agent": ["/etc/agentzip/config.d", "/var/lib/agentzip/node-agent"],
@@ -90,6 +90,13 @@ def test_daemonset_mounts_only_what_each_container_needs(by):
     assert (m["node-agent"]["/var/lib/kubelet/config.yaml"] == (kubelet_cfg, True))
     assert m["node-agent"]["/var/lib/agentzip/node-agent"][0] == arg(ka, "--state-dir")
     assert "--no-release" in ka["args"]  # it has no cgroupfs: the tuner restores
+    # the exporter is told the socket (it cannot read state.json) and is not root
+    metrics = cs["metrics"]
+    assert arg(metrics, "--control") == RUN + "/control.sock"
+    msc = metrics["securityContext"]
+    assert msc["runAsNonRoot"] is True and msc["runAsUser"] != 0
+    assert by[("DaemonSet", "agentzip-node")]["spec"]["template"]["spec"]["securityContext"][
+        "supplementalGroups"]  # the control group: read-only verbs on control.sock
 
 
 def test_daemonset_drops_privileges(by):
