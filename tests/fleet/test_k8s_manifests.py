@@ -210,6 +210,13 @@ def test_dockerfile_structure_and_lint():
     assert instrs[0] == "FROM" and instrs.count("FROM") == 2  # build stage + runtime stage
     assert re.search(r'^ENTRYPOINT \["agentzip-blk"\]$', text, re.M)
     assert re.search(r"^USER 65532", text, re.M)  # non-root unless a manifest asks for uid 0
+    # what the build stage copies exists and is not excluded by .dockerignore
+    ignore = (REPO / ".dockerignore").read_text().split()
+    for line in text.splitlines():
+        if line.startswith("COPY ") and "--from=" not in line:
+            src = line.split()[1]
+            assert (REPO / src).exists(), src
+            assert "!" + src.rstrip("/") + ("/" if (REPO / src).is_dir() else "") in ignore, src
     # the entry point is the console script pyproject.toml installs
     assert 'agentzip-blk = "agentzip_blk.cli:main"' in (REPO / "pyproject.toml").read_text()
     hadolint = shutil.which("hadolint") or shutil.which(
