@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Iterator
 
 from ..errors import DeviceError, SetupError
+from .rundir import open_private, secure_run_dir
 
 
 DEFAULT_RUN_DIR = "/run/agentzip"
@@ -30,7 +31,9 @@ DEFAULT_PRIORITY = 100
 STATE_FILE = "state.json"
 
 
-# Tool names (or absolute paths); ``up``/``down`` take a ``tools`` dict that overrides these.
+# Tool names; ``up`` takes a ``tools`` dict that overrides these for its own process (tests).
+# Overrides are never written to state.json: a file in the run directory must not tell root
+# what to execute; ``down`` finds the tools again (chain.resolve_tool, on a fixed PATH).
 TOOLS: dict[str, str] = {
     "nbdkit": "nbdkit",
     "nbdfuse": "nbdfuse",
@@ -66,7 +69,8 @@ class RunState:
     mkswap_done: bool = False
     swap_on: bool = False
     started: float = field(default_factory=time.time)
-    tools: dict = field(default_factory=dict)
+    # in-process overrides only (see TOOLS): never saved, and ignored in old state files
+    tools: dict = field(default_factory=dict, repr=False)
     mlock: bool = True              # lock nbdfuse (preload shim); --swap for a named plugin
     oom_protected: bool = False     # oom_score_adj -1000 set on nbdkit (and nbdfuse)
     nbdfuse_locked: bool = False    # nbdfuse runs with the mlockall preload shim
@@ -79,8 +83,8 @@ class RunState:
 
     def save(self) -> None:
         tmp = self.path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(asdict(self), f, indent=1, sort_keys=True)
+        with open_private(tmp) as f:
+            json.dump(self.to_dict(), f, indent=1, sort_keys=True)
             f.write("\n")
         os.replace(tmp, self.path)
 
@@ -92,15 +96,21 @@ class RunState:
                 data = json.load(f)
         except FileNotFoundError:
             return None
+        except PermissionError:
+            raise SetupError(f"{path}: permission denied: the run directory is root's "
+                             f"alone; run this as root") from None
         except (OSError, ValueError) as e:
             raise DeviceError(f"cannot read {path}: {e}; remove it if nothing is attached") from None
-        known = {f.name for f in fields(cls)}
+        # "tools" (tool paths) was saved before: a file must not name what root executes
+        known = {f.name for f in fields(cls)} - {"tools"}
         data = {k: v for k, v in data.items() if k in known}
         data["run_dir"] = run_dir
         return cls(**data)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d.pop("tools", None)
+        return d
 
     def tool(self, name: str) -> str:
         return self.tools.get(name) or TOOLS[name]
@@ -111,10 +121,12 @@ def load_state(run_dir: str) -> RunState | None:
 
 
 @contextlib.contextmanager
-def locked(run_dir: str) -> Iterator[None]:
-    """Serialise up/down on one run directory."""
-    os.makedirs(run_dir, mode=0o700, exist_ok=True)
-    fd = os.open(os.path.join(run_dir, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
+def locked(run_dir: str, group_gid: int | None = None, *, keep_group: bool = True) -> Iterator[None]:
+    """Serialise up/down on one run directory, after making it root's alone (rundir):
+    ``up`` passes ``keep_group=False`` and the control group, so the mode is exact."""
+    secure_run_dir(run_dir, group_gid, keep_group=keep_group)
+    fd = os.open(os.path.join(run_dir, "lock"),
+                 os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -259,7 +259,8 @@ def test_nbdkit_command_matches_interfaces():
                          "/run/a/nbdkit.pid", config_path="/etc/agentzip/config.yaml",
                          size=1 << 30)
     assert cmd == ["nbdkit", "-f", "-U", "/run/a/nbd.sock", "-P", "/run/a/nbdkit.pid",
-                   "python", "/x/nbdkit/agentzip_plugin.py",
+                   "--filter=ip", "python", "/x/nbdkit/agentzip_plugin.py",
+                   f"allow=uid:{os.geteuid()}", "deny=all",
                    "config=/etc/agentzip/config.yaml", f"size={1 << 30}",
                    "control=/run/a/control.sock"]
     assert "-f" not in nbdkit_command("/p.py", "/s", None, "/pid", foreground=False)
