@@ -154,6 +154,10 @@ class ControlServer:
                                      + (" nor in the control group" if self.group_gid
                                         is not None else ""))
                 with contextlib.suppress(OSError):  # gone before it read it
+                    # take its request first (never acted on): closing on unread bytes
+                    # resets the connection, and the client would lose the reason
+                    conn.settimeout(1.0)
+                    stream.readline(MAX_LINE + 1)
                     stream.write(json.dumps(reply).encode() + b"\n")
                     stream.flush()
                 return
