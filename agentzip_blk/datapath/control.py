@@ -94,13 +94,15 @@ class ControlServer:
             sock.bind(self.path)
         finally:
             os.umask(old_umask)
+        # listen at once: `up` connects as soon as the file exists (a connect between bind
+        # and listen is refused)
+        sock.listen(16)
         if self.group_gid is not None:
             # the group may connect (its members' requests are still checked per verb)
             os.chown(self.path, -1, self.group_gid)
             os.chmod(self.path, 0o660)
         else:
             os.chmod(self.path, 0o600)
-        sock.listen(16)
         self._sock = sock
         self._thread = threading.Thread(target=self._accept_loop, name="agentzip-control", daemon=True)
         self._thread.start()

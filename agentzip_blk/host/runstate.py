@@ -14,6 +14,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Iterator
@@ -103,9 +104,47 @@ class RunState:
             raise DeviceError(f"cannot read {path}: {e}; remove it if nothing is attached") from None
         # "tools" (tool paths) was saved before: a file must not name what root executes
         known = {f.name for f in fields(cls)} - {"tools"}
+        if not isinstance(data, dict):
+            raise DeviceError(f"cannot read {path}: not a JSON object; remove it if nothing "
+                              f"is attached")
         data = {k: v for k, v in data.items() if k in known}
         data["run_dir"] = run_dir
-        return cls(**data)
+        try:
+            state = cls(**data)
+        except TypeError as e:
+            raise DeviceError(f"cannot read {path}: {e}; remove it if nothing is attached") from None
+        bad = state.misplaced()
+        if bad:
+            key, value = bad
+            raise DeviceError(f"{path} names {key} {value!r}, which is not where `up` puts it: "
+                              f"refusing to act on it; remove {path} if nothing is attached")
+        return state
+
+    def misplaced(self) -> tuple[str, object] | None:
+        """The first recorded path that is not where `up` puts it, or None. `down` swaps off,
+        detaches, unmounts and removes what the state names: a file must not point it at
+        anything else (another swap area, loop device or mount)."""
+        real = os.path.realpath(self.run_dir)  # never resolves inside the FUSE mount
+        mnt = os.path.join(real, "mnt")
+
+        def in_run_dir(p) -> bool:
+            return isinstance(p, str) and os.path.realpath(os.path.dirname(p)) == real
+
+        checks = [
+            ("nbd_socket", in_run_dir(self.nbd_socket)),
+            ("control_socket", self.control_socket is None or in_run_dir(self.control_socket)),
+            ("mountpoint", self.mountpoint in (None, mnt)),
+            ("fuse_file", self.fuse_file is None
+             or (isinstance(self.fuse_file, str) and os.path.dirname(self.fuse_file) == mnt)),
+            ("loop_device", self.loop_device is None or _is_dev(self.loop_device, "loop")),
+            ("nbd_device", self.nbd_device is None or _is_dev(self.nbd_device, "nbd")),
+            ("device", self.device is None or _is_dev(self.device, "loop")
+             or _is_dev(self.device, "nbd")),
+        ]
+        for key, ok in checks:
+            if not ok:
+                return key, getattr(self, key)
+        return None
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -114,6 +153,10 @@ class RunState:
 
     def tool(self, name: str) -> str:
         return self.tools.get(name) or TOOLS[name]
+
+
+def _is_dev(path, kind: str) -> bool:
+    return isinstance(path, str) and re.fullmatch(rf"/dev/{kind}[0-9]+", path) is not None
 
 
 def load_state(run_dir: str) -> RunState | None:

@@ -240,3 +240,30 @@ def test_control_group_validates(base):
                                 "'no-such-group-azt' on this host (getent group "
                                 "no-such-group-azt); create it or set null for root only")
     assert cli.main(["--config", str(cfg), "status"]) == 2
+
+
+def test_state_naming_foreign_paths_is_refused(base):
+    """A state.json that points `down` at another mount, swap area or loop device is refused
+    before anything runs: the mount stays, the CLI says why in one line."""
+    run = base / "run"
+    secure_run_dir(str(run))
+    elsewhere = base / "elsewhere"
+    elsewhere.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "aztest", str(elsewhere)],
+                   check=True)
+    good = {"run_dir": str(run), "plugin": "memory", "nbd_socket": str(run / "nbd.sock")}
+    for key, value in (("mountpoint", str(elsewhere)), ("device", "/dev/zram0"),
+                       ("loop_device", "/dev/sda"), ("nbd_socket", "/etc/passwd"),
+                       ("fuse_file", str(elsewhere / "device"))):
+        (run / "state.json").write_text(json.dumps({**good, key: value}))
+        with pytest.raises(Exception, match="not where `up` puts it"):
+            runstate.RunState.load(str(run))
+        r = subprocess.run([sys.executable, "-m", "agentzip_blk.cli", "--run-dir", str(run),
+                            "down", "--force"], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+        assert r.returncode == 1 and r.stderr.startswith("agentzip-blk: error: "), r.stderr
+        assert f"names {key}" in r.stderr
+    with open("/proc/self/mountinfo") as f:
+        assert any(line.split()[4] == str(elsewhere) for line in f)
+    (run / "state.json").write_text(json.dumps(good))
+    assert runstate.RunState.load(str(run)).nbd_socket == str(run / "nbd.sock")

@@ -487,7 +487,7 @@ def test_stale_state_is_cleaned(run_dir):
     # a state file whose processes are long gone (pid 1 is not our nbdkit)
     stale = runstate.RunState(run_dir=run_dir, plugin="memory",
                             nbd_socket=os.path.join(run_dir, "nbd.sock"), size=SIZE,
-                            nbdkit_pid=1, device="/dev/loop-nonexistent")
+                            nbdkit_pid=1, device="/dev/loop999999")  # no such loop device
     stale.save()
     st = attach.up(_config(run_dir), None, run_dir, priority=7, size=SIZE, plugin="memory")
     try:
