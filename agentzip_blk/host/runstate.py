@@ -93,7 +93,8 @@ class RunState:
     def load(cls, run_dir: str) -> "RunState | None":
         path = os.path.join(run_dir, STATE_FILE)
         try:
-            with open(path, encoding="utf-8") as f:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd, encoding="utf-8") as f:
                 data = json.load(f)
         except FileNotFoundError:
             return None
