@@ -1,15 +1,22 @@
-"""The loaded dictionaries by id (1..255; 0 = none), the id the store records per blob."""
+"""The registered dictionaries by id (1..255; 0 = none), the id the store records per blob.
+
+Registering a dictionary keeps its content (~32-64 KiB, checked against the manifest when the
+store starts); its zstd objects (digested tables, contexts: most of what a dictionary costs,
+and more for frames) are made on first choice (`LoadedDict.load`), so a dictionary that no
+request has chosen costs its content and nothing more. Selection trials of such a dictionary
+use a context made for the trial (codecs.trial_compress).
+"""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
 from ...errors import CodecError
-from ..codecs import ZstdDictCodec
+from ..codecs import Codec, PooledCodec, ZstdDictCodec, trial_compress
 from .files import DictionaryError, load_content, load_manifest
 
 MAX_ID = 255  # the blob table stores dictionary ids as uint8
@@ -17,21 +24,76 @@ MAX_ID = 255  # the blob table stores dictionary ids as uint8
 
 @dataclass
 class LoadedDict:
+    """One registered dictionary. `codec` (pages), `frame_codec` (frames of `frame_pages`)
+    and `decoder` are made on first use and kept: `loaded` says whether that happened."""
+
     id: int
     name: str
     source: str  # "prebuilt" | "host" | "file"
-    codec: ZstdDictCodec
+    content: bytes
     info: dict
     candidate: bool = True
+    kind: str = "raw"  # codecs.DICT_KINDS
+    level: int = 3
+    page_size: int = 4096
+    frame_pages: int = 1
+    _page: ZstdDictCodec | None = field(default=None, repr=False)
+    _frame: PooledCodec | None = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def loaded(self) -> bool:
+        return self._page is not None
+
+    def load(self) -> None:
+        """Make the zstd objects (the request threads may race here: one wins)."""
+        if self._page is not None:
+            return
+        with self._lock:
+            if self._page is None:
+                if self.frame_pages > 1:
+                    size = self.frame_pages * self.page_size
+                    self._frame = PooledCodec(
+                        lambda: ZstdDictCodec(self.content, self.level, size, self.kind))
+                self._page = ZstdDictCodec(self.content, self.level, self.page_size, self.kind)
+
+    @property
+    def codec(self) -> ZstdDictCodec:
+        """The page codec (also every blob's decoder: decoding does not depend on the size
+        the compressor was made for)."""
+        self.load()
+        return self._page  # type: ignore[return-value]
+
+    @property
+    def frame_codec(self) -> Codec | PooledCodec:
+        self.load()
+        return self._frame or self._page  # type: ignore[return-value]
+
+    def trial(self, data, frame: bool) -> bytes:
+        """`data` compressed with this dictionary for a selection trial: by the loaded
+        codecs when there are some, else without loading anything."""
+        if self.loaded:
+            return (self.frame_codec if frame else self.codec).compress(data)
+        size = self.frame_pages * self.page_size if frame else self.page_size
+        return trial_compress(self.content, self.kind, self.level, size, data)
+
+    def memory_bytes(self) -> int:
+        held = len(self.content)
+        if self._page is not None:
+            held += self._page.memory_bytes()
+        if self._frame is not None:
+            held += self._frame.memory_bytes()
+        return held
 
 
 class DictionaryRegistry:
-    """Loaded dictionaries by id. `candidates` is replaced, never mutated, so a writer can
-    take it once per request without a lock."""
+    """Registered dictionaries by id. `candidates` is replaced, never mutated, so a writer
+    can take it once per request without a lock."""
 
-    def __init__(self, level: int = 3, page_size: int = 4096) -> None:
+    def __init__(self, level: int = 3, page_size: int = 4096, frame_pages: int = 1) -> None:
         self.level = level
         self.page_size = page_size
+        self.frame_pages = frame_pages
         self._by_id: dict[int, LoadedDict] = {}
         self.candidates: tuple[LoadedDict, ...] = ()
         self.unloaded = 0
@@ -40,10 +102,10 @@ class DictionaryRegistry:
 
     @classmethod
     def from_setting(cls, setting: str | list[str], level: int = 3, page_size: int = 4096,
-                     directory: str | None = None) -> DictionaryRegistry:
+                     directory: str | None = None, frame_pages: int = 1) -> DictionaryRegistry:
         """The registry for `compression.dictionary`: none, prebuilt/auto (every shipped
         dictionary) or a list of names. Raises DictionaryError on a bad file or name."""
-        registry = cls(level, page_size)
+        registry = cls(level, page_size, frame_pages)
         if setting == "none":
             return registry
         manifest = {info.name: info for info in load_manifest(directory)}
@@ -57,13 +119,16 @@ class DictionaryRegistry:
         return registry
 
     def add(self, name: str, content: bytes, source: str, info: dict | None = None,
-            candidate: bool = True) -> LoadedDict:
-        codec = ZstdDictCodec(content, self.level, self.page_size)
+            candidate: bool = True, kind: str = "raw") -> LoadedDict:
+        """Register a dictionary (not loaded: see LoadedDict.load)."""
+        if kind == "full" and not bytes(content[:4]) == b"\x37\xa4\x30\xec":
+            raise CodecError(f"dictionary {name!r}: not a trained zstd dictionary")
         with self._lock:
             free = next((i for i in range(1, MAX_ID + 1) if i not in self._by_id), None)
             if free is None:
                 raise CodecError(f"more than {MAX_ID} dictionaries loaded")
-            entry = LoadedDict(free, name, source, codec, dict(info or {}), candidate)
+            entry = LoadedDict(free, name, source, bytes(content), dict(info or {}), candidate,
+                               kind, self.level, self.page_size, self.frame_pages)
             self._by_id[free] = entry
             if candidate:
                 self.candidates = (*self.candidates, entry)
@@ -103,10 +168,15 @@ class DictionaryRegistry:
         return self.get(dict_id).codec
 
     def loaded(self) -> list[LoadedDict]:
+        """Every registered dictionary, loaded or not (by id)."""
         return sorted(self._by_id.values(), key=lambda e: e.id)
 
+    def loaded_names(self) -> set[str]:
+        """The dictionaries whose zstd objects exist (some request chose them)."""
+        return {e.name for e in list(self._by_id.values()) if e.loaded}
+
     def memory_bytes(self) -> int:
-        return sum(e.codec.memory_bytes() for e in list(self._by_id.values())) + self.extra_bytes()
+        return sum(e.memory_bytes() for e in list(self._by_id.values())) + self.extra_bytes()
 
     def stats(self, dict_ids: np.ndarray, lengths: np.ndarray, page_size: int = 4096) -> list[dict]:
         """Per loaded dictionary: pages (slots) compressed with it, their stored bytes and
@@ -117,6 +187,7 @@ class DictionaryRegistry:
             pages = int(mask.sum())
             stored = float(lengths[mask].sum())
             out.append({"id": e.id, "name": e.name, "source": e.source, "candidate": e.candidate,
+                        "kind": e.kind, "loaded": e.loaded,
                         "pages": pages, "stored_bytes": int(stored),
                         "ratio": round(pages * page_size / stored, 3) if stored else 0.0})
         return out
