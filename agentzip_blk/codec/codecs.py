@@ -130,23 +130,39 @@ class ZstdDictCodec(ZstdCodec):
     """
 
     def __init__(self, content: bytes, level: int = 3, page_size: int = 4096,
-                 kind: str = "raw") -> None:
-        super().__init__(level, page_size)
-        self.content = bytes(content)
+                 kind: str = "raw", shared: ZstdDictCodec | None = None) -> None:
+        """`shared`: another codec of the same dictionary and sizes whose digested
+        dictionary this one uses too (a pool's contexts: the tables are read-only, and for
+        a frame they are ~1 MiB); such a codec compresses only (the first one decodes)."""
+        ZstdCodec.__init__(self, level, page_size)
+        self.content = bytes(content) if shared is None else shared.content
         self.kind = kind
         params = _page_params(level, page_size)
-        cdict = _dict_data(self.content, kind)
-        cdict.precompute_compress(compression_params=params)
+        if shared is None:
+            cdict = _dict_data(self.content, kind)
+            cdict.precompute_compress(compression_params=params)
+            self._dctx = zstandard.ZstdDecompressor(dict_data=_dict_data(self.content, kind),
+                                                    format=zstandard.FORMAT_ZSTD1_MAGICLESS)
+            # The digested dictionary's match tables (zstd sizes them from these parameters;
+            # python-zstandard has no accessor for a CDict's size) + its copy of the content.
+            self._cdict_bytes = (4 * ((1 << params.hash_log) + (1 << params.chain_log))
+                                 + len(self.content))
+        else:
+            cdict = shared._cdict
+            self._dctx = None
+            self._cdict_bytes = 0
         self._cctx = zstandard.ZstdCompressor(dict_data=cdict, compression_params=params)
-        self._dctx = zstandard.ZstdDecompressor(dict_data=_dict_data(self.content, kind),
-                                                format=zstandard.FORMAT_ZSTD1_MAGICLESS)
         self._cdict = cdict
-        # The digested dictionary's match tables (zstd sizes them from these parameters;
-        # python-zstandard has no accessor for a CDict's size) + its copy of the content.
-        self._cdict_bytes = 4 * ((1 << params.hash_log) + (1 << params.chain_log)) + len(self.content)
+
+    def decompress(self, data, size: int | None = None) -> bytes:
+        if self._dctx is None:
+            raise CodecError("a pooled dictionary context does not decode")
+        return super().decompress(data, size)
 
     def memory_bytes(self) -> int:
         # contexts + the digested dictionary + the decoder's and our copies of the content
+        if self._dctx is None:
+            return self._cctx.memory_size()
         return super().memory_bytes() + self._cdict_bytes + 2 * len(self.content)
 
 

@@ -34,46 +34,71 @@ class LoadedDict:
     info: dict
     candidate: bool = True
     kind: str = "raw"  # codecs.DICT_KINDS
+    frames: bool = True  # a candidate for frames too (else for pages compressed alone only)
     level: int = 3
     page_size: int = 4096
     frame_pages: int = 1
     _page: ZstdDictCodec | None = field(default=None, repr=False)
     _frame: PooledCodec | None = field(default=None, repr=False)
+    _decoder: ZstdDictCodec | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def loaded(self) -> bool:
-        return self._page is not None
+        """Whether any of its zstd objects exist (a request chose it, or a blob uses it)."""
+        return self._page is not None or self._frame is not None or self._decoder is not None
 
-    def load(self) -> None:
-        """Make the zstd objects (the request threads may race here: one wins)."""
-        if self._page is not None:
+    def load(self, frame: bool | None = None) -> None:
+        """Make the zstd objects for pages (`frame` False), frames (True) or whichever
+        the registry compresses (None: frames when frames are on). The decoder comes with
+        either. Request threads may race here: one wins."""
+        if frame is None:
+            frame = self.frame_pages > 1
+        if (self._frame if frame and self.frame_pages > 1 else self._page) is not None:
             return
         with self._lock:
-            if self._page is None:
-                if self.frame_pages > 1:
+            if frame and self.frame_pages > 1:
+                if self._frame is None:
                     size = self.frame_pages * self.page_size
-                    self._frame = PooledCodec(
-                        lambda: ZstdDictCodec(self.content, self.level, size, self.kind))
+                    first = ZstdDictCodec(self.content, self.level, size, self.kind)
+                    made = [first]  # the pool's first context owns the digested tables
+
+                    def make() -> ZstdDictCodec:
+                        if made:
+                            return made.pop()
+                        return ZstdDictCodec(self.content, self.level, size, self.kind,
+                                             shared=first)
+                    self._frame = PooledCodec(make)
+                    self._decoder = self._decoder or first
+            elif self._page is None:
                 self._page = ZstdDictCodec(self.content, self.level, self.page_size, self.kind)
+                self._decoder = self._decoder or self._page
 
     @property
     def codec(self) -> ZstdDictCodec:
-        """The page codec (also every blob's decoder: decoding does not depend on the size
-        the compressor was made for)."""
-        self.load()
+        """The codec for pages compressed alone."""
+        self.load(frame=False)
         return self._page  # type: ignore[return-value]
 
     @property
     def frame_codec(self) -> Codec | PooledCodec:
-        self.load()
+        self.load(frame=True)
         return self._frame or self._page  # type: ignore[return-value]
+
+    @property
+    def decoder(self) -> ZstdDictCodec:
+        """Decodes any blob of this dictionary (decoding does not depend on the size the
+        compressor was made for)."""
+        if self._decoder is None:
+            self.load()
+        return self._decoder  # type: ignore[return-value]
 
     def trial(self, data, frame: bool) -> bytes:
         """`data` compressed with this dictionary for a selection trial: by the loaded
-        codecs when there are some, else without loading anything."""
-        if self.loaded:
-            return (self.frame_codec if frame else self.codec).compress(data)
+        codec when there is one, else without loading anything."""
+        codec = self._frame if frame and self.frame_pages > 1 else self._page
+        if codec is not None:
+            return codec.compress(data)
         size = self.frame_pages * self.page_size if frame else self.page_size
         return trial_compress(self.content, self.kind, self.level, size, data)
 
@@ -87,8 +112,9 @@ class LoadedDict:
 
 
 class DictionaryRegistry:
-    """Registered dictionaries by id. `candidates` is replaced, never mutated, so a writer
-    can take it once per request without a lock."""
+    """Registered dictionaries by id. `candidates` (and `frame_candidates`, those of them
+    frames try) are replaced, never mutated, so a writer can take one once per request
+    without a lock."""
 
     def __init__(self, level: int = 3, page_size: int = 4096, frame_pages: int = 1) -> None:
         self.level = level
@@ -96,6 +122,7 @@ class DictionaryRegistry:
         self.frame_pages = frame_pages
         self._by_id: dict[int, LoadedDict] = {}
         self.candidates: tuple[LoadedDict, ...] = ()
+        self.frame_candidates: tuple[LoadedDict, ...] = ()
         self.unloaded = 0
         self.extra_bytes: Callable[[], int] = lambda: 0  # e.g. the host trainer's samples
         self._lock = threading.Lock()  # adds/retires may come from the trainer thread
@@ -104,7 +131,13 @@ class DictionaryRegistry:
     def from_setting(cls, setting: str | list[str], level: int = 3, page_size: int = 4096,
                      directory: str | None = None, frame_pages: int = 1) -> DictionaryRegistry:
         """The registry for `compression.dictionary`: none, prebuilt/auto (every shipped
-        dictionary) or a list of names. Raises DictionaryError on a bad file or name."""
+        dictionary) or a list of names. Raises DictionaryError on a bad file or name.
+
+        With `auto` the shipped dictionaries are candidates for pages compressed alone only,
+        not for frames: in 16-page frames they saved 0-0.5% on the four workloads while a
+        chosen one costs ~1.6 MiB (tools/bench_dicts.py, BENCHMARKS.md), so frames use the
+        host's own dictionaries there. Named explicitly (`prebuilt`, a list) they are
+        tried on frames too."""
         registry = cls(level, page_size, frame_pages)
         if setting == "none":
             return registry
@@ -115,11 +148,12 @@ class DictionaryRegistry:
                 raise DictionaryError(f"compression.dictionary: unknown dictionary {name!r} "
                                       f"(known: {', '.join(sorted(manifest)) or 'none'})")
             info = manifest[name]
-            registry.add(name, load_content(info, directory), "prebuilt", asdict(info))
+            registry.add(name, load_content(info, directory), "prebuilt", asdict(info),
+                         frames=setting != "auto")
         return registry
 
     def add(self, name: str, content: bytes, source: str, info: dict | None = None,
-            candidate: bool = True, kind: str = "raw") -> LoadedDict:
+            candidate: bool = True, kind: str = "raw", frames: bool = True) -> LoadedDict:
         """Register a dictionary (not loaded: see LoadedDict.load)."""
         if kind == "full" and not bytes(content[:4]) == b"\x37\xa4\x30\xec":
             raise CodecError(f"dictionary {name!r}: not a trained zstd dictionary")
@@ -128,10 +162,12 @@ class DictionaryRegistry:
             if free is None:
                 raise CodecError(f"more than {MAX_ID} dictionaries loaded")
             entry = LoadedDict(free, name, source, bytes(content), dict(info or {}), candidate,
-                               kind, self.level, self.page_size, self.frame_pages)
+                               kind, frames, self.level, self.page_size, self.frame_pages)
             self._by_id[free] = entry
             if candidate:
                 self.candidates = (*self.candidates, entry)
+                if frames:
+                    self.frame_candidates = (*self.frame_candidates, entry)
         return entry
 
     def retire(self, dict_id: int) -> None:
@@ -141,6 +177,8 @@ class DictionaryRegistry:
             if entry is not None:
                 entry.candidate = False
                 self.candidates = tuple(e for e in self.candidates if e.id != dict_id)
+                self.frame_candidates = tuple(e for e in self.frame_candidates
+                                              if e.id != dict_id)
 
     def has_retired(self) -> bool:
         return any(not e.candidate for e in self._by_id.values())
@@ -165,7 +203,7 @@ class DictionaryRegistry:
             raise CodecError(f"dictionary id {dict_id} is not loaded") from None
 
     def decoder(self, dict_id: int) -> ZstdDictCodec:
-        return self.get(dict_id).codec
+        return self.get(dict_id).decoder
 
     def loaded(self) -> list[LoadedDict]:
         """Every registered dictionary, loaded or not (by id)."""

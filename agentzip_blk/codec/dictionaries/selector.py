@@ -61,24 +61,33 @@ class Selector:
         self.margin = margin
         self.credits = 0.0
         self._sticky: LoadedDict | None = None
+        self._candidates: tuple[LoadedDict, ...] = ()
         self._window_wins = 0  # trials in the current window that chose a dictionary
         self.stats = SelectionStats()
         self._clock = time.perf_counter
 
     @property
     def active(self) -> bool:
-        return self.registry is not None and bool(self.registry.candidates) and self.writer.id == ZSTD
+        return bool(self._of(self.registry)) and self.writer.id == ZSTD
+
+    def _of(self, registry: DictionaryRegistry | None) -> tuple[LoadedDict, ...]:
+        if registry is None:
+            return ()
+        return registry.frame_candidates if self.frames else registry.candidates
 
     def choose(self, pages: Sequence) -> Choice:
         """`pages`: the request's pages that will be compressed (not same-filled), or with
         `frames` its frames (each the joined bytes of its pages)."""
         registry = self.registry
-        candidates = registry.candidates if registry is not None else ()
+        candidates = self._of(registry)
         if not candidates or not pages or self.writer.id != ZSTD:
             return Choice(self.writer, 0)
         self.stats.requests += 1
         cost = len(candidates)
         self.credits = min(self.credits + len(pages) * self.budget, 4.0 * cost + 1)
+        if candidates is not self._candidates:  # one was adopted or retired: try them now
+            self._candidates = candidates
+            self.credits = max(self.credits, float(cost))
         sticky = self._sticky
         if self.credits < cost and (sticky is None or sticky.candidate):
             if sticky is None:
@@ -98,7 +107,7 @@ class Selector:
             best_out, best = none_out, None  # not worth a dictionary
         self._sticky = best
         if best is not None:
-            best.load()  # chosen: from now on it has codecs of its own
+            best.load(self.frames)  # chosen: from now on it has codecs of its own
         st = self.stats
         st.trials += 1
         st.extra_compressions += cost
