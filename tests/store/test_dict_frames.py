@@ -109,6 +109,7 @@ def test_a_dictionary_no_request_chose_is_not_loaded():
     assert lazy == sum(len(e.content) for e in registry.loaded())  # their content, no codecs
     sel = store.dicts.frame_selector
     sel.budget = sel.max_budget = sel.min_budget = 10.0  # a trial on every request
+    sel.margin = 0.0  # and any saving chooses a dictionary
     rnd = random.Random(5)
     noise = b"".join(bytes(rnd.randrange(8) for _ in range(PAGE)) for _ in range(64))
     store.write(noise, 0)  # no dictionary helps random bytes: trials ran, none chosen
@@ -150,3 +151,24 @@ TestFullDictFrameStoreModel = FullDictFrameStoreModel.TestCase
 for case in (TestDictFrameStoreModel, TestFullDictFrameStoreModel):
     case.settings = settings(max_examples=40, stateful_step_count=40, deadline=None,
                              suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_the_frame_trial_budget_counts_frames_not_pages():
+    from agentzip_blk.codec.codecs import PooledCodec, ZstdCodec
+    from agentzip_blk.codec.dictionaries.registry import DictionaryRegistry
+    from agentzip_blk.codec.dictionaries.selector import Selector
+
+    registry = DictionaryRegistry(frame_pages=16)
+    for n, kind in enumerate(["raw", "full"]):
+        registry.add(f"d{n}", as_kind(trained(16), kind), "host", kind=kind)
+    sel = Selector(PooledCodec(lambda: ZstdCodec(3, 16 * PAGE)), registry, budget=0.5,
+                   min_budget=0.5, frames=True)
+    frames = [b"".join(text_page(20_000 + 16 * i + k) for k in range(16)) for i in range(2)]
+    for _ in range(40):  # 40 requests of 2 frames (32 pages) each
+        sel.choose(frames)
+    # 0.5 credit per frame = 1 per request, a trial costs 2 (one per candidate): one trial
+    # every other request, plus the first (new candidates are tried at once). Counted per
+    # page it would be a trial on every request.
+    assert sel.stats.requests == 40
+    assert 19 <= sel.stats.trials <= 22
+    assert sel.stats.extra_compressions == 2 * sel.stats.trials
