@@ -189,8 +189,10 @@ class Placer:
         group already compressed (a page found stored shifts the groups: then not)."""
         if len(group) > 1:
             # Compressed by `prepare` with the request's dictionary choice; recompressed here
-            # (rare: the groups shifted) with no dictionary.
+            # (rare: the groups shifted, or that dictionary was unloaded since) without one.
             compressed, dict_id = (frames.get(tuple(group)) if frames else None) or (None, 0)
+            if dict_id and not self.dicts.registry.registered(dict_id):
+                compressed, dict_id = None, 0
             if compressed is None:
                 compressed = self.frame_codec.compress(b"".join(pages[n] for n in group))
                 self.counters.frames_compressed_locked += 1

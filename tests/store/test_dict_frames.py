@@ -172,3 +172,30 @@ def test_the_frame_trial_budget_counts_frames_not_pages():
     assert sel.stats.requests == 40
     assert 19 <= sel.stats.trials <= 22
     assert sel.stats.extra_compressions == 2 * sel.stats.trials
+
+
+def test_a_frame_compressed_with_a_dictionary_unloaded_before_the_lock_is_recompressed():
+    """Frames are compressed before the store lock; the dictionary they chose may be retired
+    and unloaded (no blob used it) before the request takes the lock."""
+    store, entry = dict_store("raw")
+    registry = store.dicts.registry
+    prepare = store.placer.prepare
+
+    def prepare_then_unload(data, offset):
+        early = prepare(data, offset)
+        assert {d for _, d in early.frames.values()} == {entry.id}  # it chose the dictionary
+        registry.retire(entry.id)
+        registry.collect(store.blobs.dict_id[store.blobs.live()])  # no blob uses it yet
+        assert not registry.registered(entry.id)
+        return early
+
+    store.placer.prepare = prepare_then_unload
+    data = b"".join(text_page(300 + i) for i in range(16))
+    store.write(data, 0)
+    frames = frame_blobs(store)
+    assert len(frames) == 4 and set(store.blobs.dict_id[frames].tolist()) == {0}
+    assert store.counters.frames_compressed_locked == 4
+    for blob in frames.tolist():
+        store.objects.frames.discard(blob)
+    assert bytes(store.read(0, 16 * PAGE)) == data
+    store.check()

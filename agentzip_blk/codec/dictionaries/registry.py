@@ -123,6 +123,7 @@ class DictionaryRegistry:
         self._by_id: dict[int, LoadedDict] = {}
         self.candidates: tuple[LoadedDict, ...] = ()
         self.frame_candidates: tuple[LoadedDict, ...] = ()
+        self._last_id = 0
         self.unloaded = 0
         self.extra_bytes: Callable[[], int] = lambda: 0  # e.g. the host trainer's samples
         self._lock = threading.Lock()  # adds/retires may come from the trainer thread
@@ -158,9 +159,15 @@ class DictionaryRegistry:
         if kind == "full" and not bytes(content[:4]) == b"\x37\xa4\x30\xec":
             raise CodecError(f"dictionary {name!r}: not a trained zstd dictionary")
         with self._lock:
-            free = next((i for i in range(1, MAX_ID + 1) if i not in self._by_id), None)
+            # The next free id after the last one given: frames are compressed before the
+            # store lock, so a frame may name a dictionary that was retired and unloaded
+            # meanwhile; the store checks `registered` under its lock, and an id is not
+            # given out again until 255 others were (weeks of adoption rounds).
+            order = [1 + (self._last_id + k) % MAX_ID for k in range(MAX_ID)]
+            free = next((i for i in order if i not in self._by_id), None)
             if free is None:
                 raise CodecError(f"more than {MAX_ID} dictionaries loaded")
+            self._last_id = free
             entry = LoadedDict(free, name, source, bytes(content), dict(info or {}), candidate,
                                kind, frames, self.level, self.page_size, self.frame_pages)
             self._by_id[free] = entry
@@ -195,6 +202,9 @@ class DictionaryRegistry:
                     gone.append(dict_id)
             self.unloaded += len(gone)
         return gone
+
+    def registered(self, dict_id: int) -> bool:
+        return dict_id in self._by_id
 
     def get(self, dict_id: int) -> LoadedDict:
         try:
