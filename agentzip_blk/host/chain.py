@@ -176,10 +176,12 @@ def compile_mlock_shim(lib: str, cflags: tuple[str, ...] = ()) -> str:
     return lib
 
 
-def _build_mlock_shim(run_dir: str) -> str:
+def mlock_shim(run_dir: str) -> str:
     """The prebuilt preload library, else one compiled into ``run_dir``, else SetupError."""
     for lib in MLOCK_SHIMS:
-        if os.path.isfile(lib):
+        # one older than this file may predate a change of _MLOCK_SHIM_C (a checkout pulled
+        # since setup.sh ran): not used. The .deb gives both the same time.
+        if os.path.isfile(lib) and os.path.getmtime(lib) >= os.path.getmtime(__file__):
             return lib
     try:
         return compile_mlock_shim(os.path.join(run_dir, "agentzip-mlock.so"))
@@ -454,7 +456,7 @@ def _start_nbdfuse(state: RunState, timeout: float) -> None:
     fuse_pidfile = os.path.join(run_dir, "nbdfuse.pid")
     flog = os.path.join(run_dir, "nbdfuse.log")
     fenv = None
-    shim = _build_mlock_shim(run_dir) if state.mlock else None
+    shim = mlock_shim(run_dir) if state.mlock else None
     if shim:
         fenv = dict(os.environ)
         fenv["LD_PRELOAD"] = (shim + " " + fenv["LD_PRELOAD"]).strip() \
