@@ -134,6 +134,7 @@ def test_the_file_list_holds_what_a_host_needs(deb):
         "usr/share/bash-completion/completions/agentzip-blk",
         "usr/share/doc/agentzip-blk/copyright",
         "usr/share/doc/agentzip-blk/changelog.gz",
+        "usr/share/doc/agentzip-blk/README.md",  # the units' Documentation=file:
         *dicts,
         *(f"usr/lib/systemd/system/{u}" for u in UNITS),
     }

@@ -103,7 +103,8 @@ install -m 0644 "$STAGE/docs/$PKG.bash" "$S/usr/share/bash-completion/completion
 awk -v lic="$ZSTD_LICENSE" '{ if ($0 == "@ZSTANDARD_LICENSE@") print lic; else print }' \
     "$DEB/copyright" > "$S/usr/share/doc/$PKG/copyright"
 gzip -9n < "$DEB/changelog" > "$S/usr/share/doc/$PKG/changelog.gz"
-gzip -9n < README.md > "$S/usr/share/doc/$PKG/README.md.gz"
+# uncompressed: the units' Documentation= names it (file:/usr/share/doc/agentzip-blk/README.md)
+install -m 0644 README.md "$S/usr/share/doc/$PKG/README.md"
 
 install -m 0755 "$DEB/postinst" "$DEB/prerm" "$S/DEBIAN/"
 DEPENDS="nbdkit, nbdkit-plugin-python, fuse3, util-linux (>= 2.38), mount, python3 (>= 3.11), python3 (<< 3.12),"
