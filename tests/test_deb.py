@@ -323,3 +323,42 @@ def test_apt_can_satisfy_the_depends(slow_checks):
     rc, out = collect(slow_checks, "apt")
     assert rc == 0, out
     assert re.search(r"^Inst agentzip-blk ", out, re.M), out
+
+
+CHROOT = os.environ.get("AGENTZIP_TEST_CHROOT")  # a Debian 12 tree: debootstrap bookworm DIR
+
+
+@pytest.mark.skipif(not CHROOT or os.geteuid() != 0,
+                    reason="set AGENTZIP_TEST_CHROOT to a debootstrapped bookworm tree (as root); "
+                           "CI has none: debootstrap and the install take ~5 min")
+def test_apt_install_and_purge_in_a_bookworm_chroot(deb):
+    """The real path on a pristine Debian 12: apt resolves and installs the Depends, the
+    packaged CLI runs, purge leaves nothing. (Run once by hand for the packaging work:
+    debootstrap --variant=minbase bookworm DIR; ~1m40 for the install of its 70 packages.)"""
+    root = Path(CHROOT)
+    (root / "tmp" / deb.name).write_bytes(deb.read_bytes())
+    mounted = []
+    try:
+        for src, dst, opts in (("proc", "proc", ["-t", "proc"]), ("/dev", "dev", ["--bind"])):
+            if run(["mountpoint", "-q", str(root / dst)]).returncode != 0:
+                assert run(["mount", *opts, src, str(root / dst)]).returncode == 0
+                mounted.append(root / dst)
+
+        def sh(script: str, timeout: float = 900) -> subprocess.CompletedProcess:
+            return run(["chroot", str(root), "sh", "-ec", script], timeout=timeout,
+                       env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "DEBIAN_FRONTEND": "noninteractive"})
+
+        r = sh(f"apt-get update -qq; apt-get install -y -q --no-install-recommends /tmp/{deb.name}")
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr
+        r = sh("agentzip-blk --version; dpkg -s agentzip-blk | grep '^Status'; "
+               "agentzip-blk install-units --prefix /tmp/u >/dev/null; "
+               "grep '^ExecStart=' /tmp/u/etc/systemd/system/agentzip-blk.service")
+        assert r.returncode == 0, r.stderr
+        assert "install ok installed" in r.stdout and "ExecStart=/usr/bin/agentzip-blk up" in r.stdout
+        r = sh("apt-get purge -y -q agentzip-blk >/dev/null; "
+               "test ! -e /usr/lib/agentzip-blk && test ! -e /etc/agentzip && test ! -e /usr/bin/agentzip-blk")
+        assert r.returncode == 0, r.stdout + r.stderr
+    finally:
+        for m in reversed(mounted):
+            run(["umount", str(m)])
+        (root / "tmp" / deb.name).unlink(missing_ok=True)
