@@ -352,9 +352,14 @@ def test_apt_install_and_purge_in_a_bookworm_chroot(deb):
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr
         r = sh("agentzip-blk --version; dpkg -s agentzip-blk | grep '^Status'; "
                "agentzip-blk install-units --prefix /tmp/u >/dev/null; "
-               "grep '^ExecStart=' /tmp/u/etc/systemd/system/agentzip-blk.service")
+               "grep '^ExecStart=' /tmp/u/etc/systemd/system/agentzip-blk.service; "
+               # `up` takes the packaged shim: no compiler in this tree
+               "! command -v cc; mkdir -p /tmp/run; python3 -c 'import sys; sys.path.insert(0, "
+               "\"/usr/lib/agentzip-blk\"); from agentzip_blk.host import chain; "
+               "print(\"shim\", chain.mlock_shim(\"/tmp/run\"))'")
         assert r.returncode == 0, r.stderr
         assert "install ok installed" in r.stdout and "ExecStart=/usr/bin/agentzip-blk up" in r.stdout
+        assert f"shim /{LIB}/libagentzip-mlock.so" in r.stdout
         r = sh("apt-get purge -y -q agentzip-blk >/dev/null; "
                "test ! -e /usr/lib/agentzip-blk && test ! -e /etc/agentzip && test ! -e /usr/bin/agentzip-blk")
         assert r.returncode == 0, r.stdout + r.stderr
