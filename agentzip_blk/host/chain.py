@@ -36,8 +36,11 @@ SWAP_LABEL = "agentzip"
 # and malloc arenas stay small) and marks it an I/O flusher where permitted. It also refuses
 # SIGTERM, SIGINT, SIGHUP and SIGPIPE with a line in nbdfuse's log: libfuse installs its
 # exit-on-signal handlers only over SIG_DFL (lib/fuse_signals.c), so ours stay, and nbdfuse
-# ends only when `down` unmounts the file (or by SIGKILL). Built with cc into the run
-# directory at `up`; without a compiler nbdfuse runs unprotected and `status` warns.
+# ends only when `down` unmounts the file (or by SIGKILL). Built ahead of time (MLOCK_SHIMS:
+# the .deb's, tools/build-deb.sh; the checkout's, setup.sh); `up` compiles it with cc into
+# the run directory only when neither exists, and refuses when it cannot.
+MLOCK_SHIMS = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "libagentzip-mlock.so"),
+               "/usr/lib/agentzip-blk/libagentzip-mlock.so")
 _MLOCK_SHIM_C = r"""
 #include <signal.h>
 #include <string.h>
@@ -163,23 +166,37 @@ def loop_is_ours(state: RunState) -> bool:
     return backing.removesuffix(" (deleted)") == state.fuse_file
 
 
-def _build_mlock_shim(run_dir: str) -> str | None:
-    """Compile the mlockall preload library into ``run_dir``; None without a C compiler."""
+def compile_mlock_shim(lib: str, cflags: tuple[str, ...] = ()) -> str:
+    """Compile the mlockall preload library to ``lib`` (``python -m agentzip_blk.host.chain
+    LIB``: setup.sh, tools/build-deb.sh). DeviceError without a C compiler or on failure."""
     cc = facts.which("cc") or facts.which("gcc")
     if cc is None:
-        return None
-    src = os.path.join(run_dir, "agentzip-mlock.c")
-    lib = os.path.join(run_dir, "agentzip-mlock.so")
+        raise DeviceError("no C compiler (cc, gcc) for the mlock shim")
+    src = lib + ".c"
     with open_private(src, encoding="ascii") as f:
         f.write(_MLOCK_SHIM_C)
     try:
-        run_tool([cc, "-O2", "-shared", "-fPIC", "-o", lib, src], timeout=60, what="cc (mlock shim)")
-    except DeviceError:
-        return None
+        run_tool([cc, "-O2", *cflags, "-shared", "-fPIC", "-o", lib, src], timeout=60,
+                 what="cc (mlock shim)")
     finally:
         with contextlib.suppress(OSError):
             os.unlink(src)
     return lib
+
+
+def mlock_shim(run_dir: str) -> str:
+    """The prebuilt preload library, else one compiled into ``run_dir``, else SetupError."""
+    for lib in MLOCK_SHIMS:
+        # one older than this file may predate a change of _MLOCK_SHIM_C (a checkout pulled
+        # since setup.sh ran): not used. The .deb gives both the same time.
+        if os.path.isfile(lib) and os.path.getmtime(lib) >= os.path.getmtime(__file__):
+            return lib
+    try:
+        return compile_mlock_shim(os.path.join(run_dir, "agentzip-mlock.so"))
+    except DeviceError as exc:
+        raise SetupError(f"nbdfuse's mlock shim: none prebuilt ({', '.join(MLOCK_SHIMS)}) and "
+                         f"{exc}: run ./setup.sh or apt-get install gcc (or up --no-mlock, "
+                         f"unsafe under pressure)") from None
 
 
 def _free_nbd_device() -> str:
@@ -459,7 +476,7 @@ def _start_nbdfuse(state: RunState, timeout: float) -> None:
     fuse_pidfile = os.path.join(run_dir, "nbdfuse.pid")
     flog = os.path.join(run_dir, "nbdfuse.log")
     fenv = None
-    shim = _build_mlock_shim(run_dir) if state.mlock else None
+    shim = mlock_shim(run_dir) if state.mlock else None
     if shim:
         fenv = dict(os.environ)
         fenv["LD_PRELOAD"] = (shim + " " + fenv["LD_PRELOAD"]).strip() \
@@ -513,3 +530,8 @@ def _swapon(state: RunState, timeout: float, fail_after: str | None) -> None:
     state.swap_on = True
     state.save()
     inject("swapon", fail_after)
+
+
+if __name__ == "__main__":  # build the shim ahead of time: python -m agentzip_blk.host.chain LIB
+    import sys
+    print(compile_mlock_shim(sys.argv[1], tuple(sys.argv[2:])))
