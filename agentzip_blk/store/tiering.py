@@ -82,6 +82,7 @@ class Tiers:
         tiering = store.tiering
         self.defrag = tiering.defrag
         self.reclaim_bytes = tiering.max_size * tiering.reclaim_threshold // 100
+        self._demoting = threading.Lock()
         self.reclaim_target = max(
             0, tiering.max_size * (tiering.reclaim_threshold - HYSTERESIS_PERCENT) // 100
         )
@@ -118,6 +119,13 @@ class Tiers:
         in the pool."""
         if self.disk is None:
             return 0
+        # One demotion at a time (the maintainer, and `reclaim` from the control thread):
+        # two would pick the same candidates, and the loser's empty round would end its
+        # caller's loop early. Taken before the store lock, never inside it.
+        with self._demoting:
+            return self._demote_cold(limit)
+
+    def _demote_cold(self, limit: int) -> int:
         store, objects, disk = self.store, self.objects, self.disk
         blobs = objects.blobs
         batch: list[tuple[int, int, int, bytes]] = []  # blob, generation, extent, bytes
