@@ -42,6 +42,7 @@ from .integrity import Corrupt
 
 ALLOC_STEP = 64  # bytes: extents are whole steps
 _GROW_STEP = 1 << 20
+_BLOCK = 4096  # filesystem block size assumed for hole punching (widening stays in free space)
 NONCE_BYTES = 12
 TAG_BYTES = 16
 SEAL_OVERHEAD = NONCE_BYTES + TAG_BYTES  # bytes an encrypted extent holds beyond its blob
@@ -180,7 +181,7 @@ class DiskTier:
         once (the space goes back to the filesystem, and no ciphertext stays behind)."""
         size = self.extent_size(length)
         self.live_bytes -= size
-        self._punch(offset, size)
+        freed_lo, freed_hi = offset, offset + size
         # Coalesce with the free neighbours on either side.
         i = self._by_offset.bisect_left(offset)
         if i > 0:
@@ -192,14 +193,18 @@ class DiskTier:
         nxt = offset + size
         if nxt in self._by_offset:
             size += self._remove_free(nxt)
+        # The extent's bytes, widened to the filesystem blocks that are now wholly free
+        # (a punch frees whole blocks only; it zeroes the partial ones at its edges).
+        self._punch(max(offset, freed_lo - freed_lo % _BLOCK),
+                    min(offset + size, -(-freed_hi // _BLOCK) * _BLOCK))
         if offset + size == self.end:
             self.end = offset  # give the tail back rather than keep it as a free extent
         else:
             self._add_free(offset, size)
 
-    def _punch(self, offset: int, size: int) -> None:
+    def _punch(self, lo: int, hi: int) -> None:
         try:
-            _fallocate(self._fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, size)
+            _fallocate(self._fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, lo, hi - lo)
         except OSError:
             self.punch_errors += 1  # best effort: the extent is sealed, and reused later
 
