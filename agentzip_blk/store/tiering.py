@@ -175,6 +175,20 @@ class Tiers:
             self.counters.demotions += moved
         return moved
 
+    def punch_freed(self) -> int:
+        """Hole-punch the disk extents freed since the last round, without the store lock,
+        then let them be reused; returns extents punched."""
+        if self.disk is None:
+            return 0
+        with self.store.lock:
+            pending = self.disk.take_pending()
+        if not pending:
+            return 0
+        self.disk.punch(pending)
+        with self.store.lock:
+            self.disk.reuse(pending)
+        return len(pending)
+
     def rewrite_sparse_frames(self, limit: int = REWRITE_CHUNK) -> int:
         """Recompress frames that at most half of their pages are still used by, keeping only
         those pages; returns frames rewritten. A frame stays whole while any page of it is
@@ -298,6 +312,7 @@ class Tiers:
         compacted = 0
         if self.defrag and self.needs_compaction():
             compacted = self.compact()
+        self.punch_freed()
         return {"demoted": demoted, "compacted": compacted, "units_rewritten": rewritten}
 
 

@@ -165,6 +165,12 @@ def test_freed_extents_are_hole_punched(tmp_path):
     full = os.stat(tmp_path / "tier").st_blocks
     for off in offsets[:-1]:  # the last one keeps the end where it is
         tier.free(off, PAGE)
+    # not reusable before its punch (which the maintainer does without the store lock)
+    assert tier.alloc(PAGE) == offsets[-1] + tier.extent_size(PAGE)
+    pending = tier.take_pending()
+    assert pending == [(0, 63 * tier.extent_size(PAGE))] and not tier.take_pending()
+    tier.punch(pending)
+    tier.reuse(pending)
     after = os.stat(tmp_path / "tier").st_blocks
     assert after * 512 <= full * 512 - 60 * PAGE
     assert tier.punch_errors == 0
@@ -251,6 +257,31 @@ def test_no_tier_with_a_null_path(tmp_path):
     for slot, page in written.items():
         assert store.read(slot * PAGE, PAGE) == page
     assert list(tmp_path.iterdir()) == []
+    store.check()
+
+
+def test_the_maintainer_punches_freed_extents_outside_the_lock(tmp_path, monkeypatch):
+    store = make_store(tmp_path, max_size=1 << 20)
+    pages = {slot: os.urandom(PAGE) for slot in range(16)}
+    for slot, page in pages.items():
+        store.write(page, slot * PAGE)
+    demote_all(store)
+    store.trim(0, 8 * PAGE)
+    seen = []
+    punch = DiskTier.punch
+
+    def spy(tier, extents):
+        seen.append((store.lock.locked(), len(extents)))
+        punch(tier, extents)
+
+    monkeypatch.setattr(DiskTier, "punch", spy)
+    store.maintain()
+    assert seen == [(False, 1)]  # one range: the eight extents side by side
+    with open(tmp_path / "tier", "rb") as f:
+        data = f.read(8 * store.disk.extent_size(PAGE))
+    assert data == bytes(len(data))  # the freed extents hold zeros now
+    for slot in range(8, 16):
+        assert store.read(slot * PAGE, PAGE) == pages[slot]
     store.check()
 
 

@@ -1,0 +1,208 @@
+#!/usr/bin/env python3
+"""What blob checksums and disk-tier encryption cost, measured in one run.
+
+    .venv/bin/python tools/bench_integrity.py [--mib 128] [--rounds 3]
+
+In one process (no chain, no kernel, nothing needs root), on the store itself:
+
+1. Checksums on vs off (`store.integrity.CHECKSUMS`, a switch for this benchmark only):
+   CPU seconds per GiB to write agent-like pages in 1 MiB requests (the default config:
+   zstd frames of 16 pages) and to read them back in 1 MiB requests; and the latency of
+   random 4 KiB reads (a swap-in fault: one frame decompressed per read, the frame cache
+   emptied first) as p50/p99.
+2. Encryption on vs off (`store.disk.ENCRYPT`, the same kind of switch): demotion of every
+   page to the disk tier (MiB of pages per second of wall time, fdatasync included, and
+   CPU per GiB), 4 KiB reads of disk pages, which promote them (wall MiB/s, p50/p99), and
+   the release of disk pages (trim: hole punching).
+
+Configurations alternate within each round (on, off, on, off, ...) so that both see the same
+machine state; each figure is the median over rounds, and the report gives on/off ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PAGE = 4096
+MiB = 1 << 20
+WORDS = (b"tool_call arguments result json path value error return def class self import "
+         b"{ } [ ] 0.5 true null \\n").split()
+
+
+def chunks(total_mib: int, seed: int = 1) -> list[bytes]:
+    rnd = random.Random(seed)
+    out = []
+    for i in range(total_mib):
+        text = b" ".join(rnd.choice(WORDS) for _ in range(MiB // 5))[:MiB].ljust(MiB, b" ")
+        body = bytearray(text)
+        for page in range(0, MiB, PAGE):  # every page distinct (no dedup), some entropy
+            body[page : page + 64] = rnd.randbytes(64)
+        body[:8] = i.to_bytes(8, "little")
+        out.append(bytes(body))
+    return out
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_store(tier_dir: str, max_size: int = 4 << 30, threshold: int = 80):
+    from agentzip_blk.config import Config
+    from agentzip_blk.store.pagestore import PageStore
+    from agentzip_blk.store.tiering import Tiering
+
+    cfg = Config()
+    cfg.pool.swap_out_path = os.path.join(tier_dir, "tier")
+    cfg.pool.max_size = max_size
+    cfg.pool.reclaim_threshold = threshold
+    cfg.compression.dictionary = "none"
+    clock = Clock()
+    store = PageStore(4 << 30, algorithm=cfg.compression.algorithm, level=cfg.compression.level,
+                      tiering=Tiering.from_config(cfg), dictionary="none",
+                      frame_pages=cfg.compression.frame_pages, clock=clock)
+    return store, clock
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def checksum_round(data: list[bytes], on: bool, reads: int, tier_dir: str) -> dict:
+    from agentzip_blk.store import integrity
+
+    integrity.CHECKSUMS = on
+    store, _clock = make_store(tier_dir)
+    try:
+        gib = len(data) * MiB / (1 << 30)
+        c0 = time.process_time()
+        for i, chunk in enumerate(data):
+            store.write(chunk, i * MiB)
+        write_cpu = (time.process_time() - c0) / gib
+        buf = bytearray(MiB)
+        c0 = time.process_time()
+        for i in range(len(data)):
+            store.readinto(buf, i * MiB)
+        read_cpu = (time.process_time() - c0) / gib
+        rnd = random.Random(7)
+        page = bytearray(PAGE)
+        lat = []
+        slots = len(data) * MiB // PAGE
+        for _ in range(reads):
+            for cache in (store.frames, store.hot):
+                for blob in cache.keys():
+                    cache.discard(blob)
+            slot = rnd.randrange(slots)
+            t = time.perf_counter()
+            store.readinto(page, slot * PAGE)
+            lat.append(time.perf_counter() - t)
+        return {"write_cpu_s_per_gib": write_cpu, "read_cpu_s_per_gib": read_cpu,
+                "read4k_p50_us": pct(lat, 0.5) * 1e6, "read4k_p99_us": pct(lat, 0.99) * 1e6}
+    finally:
+        store.close()
+        integrity.CHECKSUMS = True
+
+
+def tier_round(data: list[bytes], on: bool, tier_dir: str) -> dict:
+    from agentzip_blk.store import disk
+
+    disk.ENCRYPT = on
+    store, clock = make_store(tier_dir)
+    try:
+        for i, chunk in enumerate(data):
+            store.write(chunk, i * MiB)
+        mib = len(data)
+        clock.now += 3600  # everything cold
+        t0, c0 = time.perf_counter(), time.process_time()
+        blobs = 0
+        while True:
+            moved = store.tiers.demote_cold()
+            if not moved:
+                break
+            blobs += moved
+        demote_wall, demote_cpu = time.perf_counter() - t0, time.process_time() - c0
+        assert store.stats()["tiers"]["pool"]["pages"] == 0, "not everything was demoted"
+        # Promotion: reads of disk pages while the pool has room, one 4 KiB read per frame
+        # (its first page), as a swap-in fault would.
+        frame = store.frame_pages
+        page = bytearray(PAGE)
+        lat = []
+        t0 = time.perf_counter()
+        for slot in range(0, mib * MiB // PAGE, frame):
+            t = time.perf_counter()
+            store.readinto(page, slot * PAGE)
+            lat.append(time.perf_counter() - t)
+        promote_wall = time.perf_counter() - t0
+        promoted = store.counters.promotions
+        clock.now += 3600
+        while store.tiers.demote_cold():
+            pass
+        t0 = time.perf_counter()
+        store.trim(0, mib * MiB)  # every blob on disk: each release punches its extent
+        trim_wall = time.perf_counter() - t0
+        return {
+            "demote_mib_s": mib / demote_wall, "demote_cpu_s_per_gib": demote_cpu / (mib / 1024),
+            "demoted_blobs": blobs,
+            "promote_mib_s": mib / promote_wall, "promoted_blobs": promoted,
+            "disk_read4k_p50_us": pct(lat, 0.5) * 1e6, "disk_read4k_p99_us": pct(lat, 0.99) * 1e6,
+            "trim_disk_us_per_blob": trim_wall / max(1, blobs) * 1e6,
+        }
+    finally:
+        store.close()
+        disk.ENCRYPT = True
+
+
+def median_of(runs: list[dict]) -> dict:
+    return {key: round(statistics.median(r[key] for r in runs), 3) for key in runs[0]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=128, help="MiB of pages per configuration")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reads", type=int, default=3000, help="random 4 KiB reads per round")
+    ap.add_argument("--dir", help="directory for the disk tier (default: a temp dir)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    data = chunks(args.mib)
+    results: dict[str, dict[str, list[dict]]] = {"checksums": {"on": [], "off": []},
+                                                 "encryption": {"on": [], "off": []}}
+    with tempfile.TemporaryDirectory(dir=args.dir) as tier_dir:
+        for r in range(args.rounds):
+            for on in ((True, False) if r % 2 == 0 else (False, True)):
+                key = "on" if on else "off"
+                results["checksums"][key].append(checksum_round(data, on, args.reads, tier_dir))
+                results["encryption"][key].append(tier_round(data, on, tier_dir))
+    report = {"mib": args.mib, "rounds": args.rounds}
+    for what, runs in results.items():
+        on, off = median_of(runs["on"]), median_of(runs["off"])
+        report[what] = {"on": on, "off": off,
+                        "on_over_off": {k: round(on[k] / off[k], 3) if off[k] else None for k in on}}
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"{args.mib} MiB of agent-like pages per configuration, median of {args.rounds} rounds")
+    for what in ("checksums", "encryption"):
+        print(f"\n{what}: on / off (ratio)")
+        block = report[what]
+        for key in block["on"]:
+            print(f"  {key:24} {block['on'][key]:>10} / {block['off'][key]:<10} "
+                  f"({block['on_over_off'][key]})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
