@@ -309,3 +309,34 @@ def test_cli_serve_refuses_a_planted_link_at_the_tier_path(tmp_path):
     assert proc.returncode != 0
     assert "is a symbolic link: refusing it as the disk tier (pool.swap_out_path)" in proc.stderr
     assert target.read_bytes() == before and link.is_symlink()
+
+
+def test_the_fuse_door_answers_eio_for_a_corrupt_cell(tmp_path):
+    """The same check through the in-process FUSE front door (O_DIRECT, as the loop device
+    reads it): the corrupt slot fails with EIO, its neighbours read back exact."""
+    import errno
+    import mmap
+
+    mnt = tmp_path / "mnt"
+    srv = start_server(tmp_path, size="16M", config=write_config(tmp_path),
+                       extra_keys=(f"fuse={mnt}",), wait_for=(str(mnt / "device"),))
+    try:
+        fd = os.open(mnt / "device", os.O_RDWR | os.O_DIRECT)
+        buf = mmap.mmap(-1, PAGE)  # page-aligned, as O_DIRECT wants
+        pages = {slot: marked_page(os.urandom(1024)) for slot in range(4)}
+        for slot, page in pages.items():
+            buf[:] = page
+            assert os.pwritev(fd, [buf], slot * PAGE) == PAGE
+        assert flip_in_memory(srv.proc.pid, pages[2][300:364], 5) >= 1
+        for slot, page in pages.items():
+            if slot == 2:
+                with pytest.raises(OSError) as err:
+                    os.preadv(fd, [buf], slot * PAGE)
+                assert err.value.errno == errno.EIO
+            else:
+                assert os.preadv(fd, [buf], slot * PAGE) == PAGE and bytes(buf) == page
+        os.close(fd)
+        assert request(srv.control_socket, "stats")["checksum_errors"] >= 1
+    finally:
+        srv.stop()
+    assert not os.path.ismount(mnt)
