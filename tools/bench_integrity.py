@@ -2,6 +2,7 @@
 """What blob checksums and disk-tier encryption cost, measured in one run.
 
     .venv/bin/python tools/bench_integrity.py [--mib 128] [--rounds 3]
+    .venv/bin/python tools/bench_integrity.py --lock-tree OLD --lock-tree . [--mib 64]
 
 In one process (no chain, no kernel, nothing needs root), on the store itself:
 
@@ -14,6 +15,10 @@ In one process (no chain, no kernel, nothing needs root), on the store itself:
    page to the disk tier (MiB of pages per second of wall time, fdatasync included, and
    CPU per GiB), 4 KiB reads of disk pages, which promote them (wall MiB/s, p50/p99), and
    the release of disk pages (trim: hole punching).
+
+3. `--lock-tree`: instead, per tree (each in a process of its own, alternating), the
+   latency of 4 KiB reads of warm pool pages while demotion rounds move the cold half of
+   the pages to disk: what a round holds the store lock for.
 
 Configurations alternate within each round (on, off, on, off, ...) so that both see the same
 machine state; each figure is the median over rounds, and the report gives on/off ratios.
@@ -30,7 +35,8 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __name__ == "__main__" and not os.environ.get("PYTHONPATH"):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PAGE = 4096
 MiB = 1 << 20
@@ -180,6 +186,101 @@ def tier_round(data: list[bytes], on: bool, tier_dir: str) -> dict:
         disk.ENCRYPT = True
 
 
+def demotion_contention(mib: int, tier_dir: str) -> dict:
+    """4 KiB reads of pool pages (one thread) while the main thread demotes the other half
+    of the pages, 512 blobs per round: what a demotion round makes a read wait. Uses only
+    the API every tree has (`--lock-tree`)."""
+    import threading
+
+    store, clock = make_store(tier_dir)
+    holds: list[float] = []
+    demoter = threading.get_ident()
+
+    class TimedLock:
+        """The store lock, timing each hold by the demoting thread."""
+
+        def __init__(self, lock) -> None:
+            self.lock, self.t = lock, 0.0
+
+        def __enter__(self):
+            self.lock.acquire()
+            if threading.get_ident() == demoter:
+                self.t = time.perf_counter()
+            return self
+
+        def __exit__(self, *exc) -> None:
+            if threading.get_ident() == demoter:
+                holds.append(time.perf_counter() - self.t)
+            self.lock.release()
+
+        def locked(self) -> bool:
+            return self.lock.locked()
+
+    try:
+        data = chunks(mib, seed=3)
+        for i, chunk in enumerate(data):
+            store.write(chunk, i * MiB)
+        half = mib // 2 * MiB // PAGE
+        clock.now += 3600  # all cold; reads of the upper half keep those warm
+        for slot in range(half, mib * MiB // PAGE, store.frame_pages):
+            store.read(slot * PAGE, PAGE)
+        stop = threading.Event()
+        lat: list = []
+
+        def reader() -> None:
+            rnd = random.Random(5)
+            page = bytearray(PAGE)
+            while not stop.is_set():
+                slot = rnd.randrange(half, mib * MiB // PAGE)
+                t = time.perf_counter()
+                store.readinto(page, slot * PAGE)
+                lat.append((t, time.perf_counter() - t))
+                time.sleep(0.0002)
+
+        thread = threading.Thread(target=reader)
+        thread.start()
+        time.sleep(0.2)
+        store.lock = TimedLock(store.lock)
+        t0 = time.perf_counter()
+        moved = 0
+        while True:
+            done = store.demote_cold()
+            if not done:
+                break
+            moved += done
+        t1 = time.perf_counter()
+        wall = t1 - t0
+        stop.set()
+        thread.join()
+        store.lock = store.lock.lock
+        lat = [d for t, d in lat if t0 <= t < t1]  # the reads that met a demotion round
+        return {"demoted_blobs": moved, "demote_wall_s": round(wall, 3), "reads": len(lat),
+                "read4k_p50_us": round(pct(lat, 0.5) * 1e6, 1),
+                "read4k_p99_us": round(pct(lat, 0.99) * 1e6, 1),
+                "read4k_max_us": round(max(lat) * 1e6, 1),
+                "lock_holds": len(holds), "lock_hold_max_ms": round(max(holds) * 1e3, 2),
+                "lock_held_total_ms": round(sum(holds) * 1e3, 1)}
+    finally:
+        store.close()
+
+
+def lock_trees(trees: list[str], mib: int, rounds: int, tier_dir: str | None) -> int:
+    """Each tree in a process of its own, alternating, `rounds` times."""
+    import subprocess
+
+    code = ("import json, sys, tempfile; sys.argv = ['x']; import bench_integrity as b; "
+            f"d = tempfile.mkdtemp(dir={tier_dir!r}); "
+            f"print(json.dumps(b.demotion_contention({mib}, d)))")
+    for r in range(rounds):
+        for tree in trees:
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+                [os.path.abspath(tree), os.path.dirname(os.path.abspath(__file__))]))
+            out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                                 text=True, check=True).stdout
+            print(f"round {r + 1} {tree}: {out.strip()}", flush=True)
+    return 0
+
+
 def median_of(runs: list[dict]) -> dict:
     return {key: round(statistics.median(r[key] for r in runs), 3) for key in runs[0]}
 
@@ -191,7 +292,12 @@ def main() -> int:
     ap.add_argument("--reads", type=int, default=3000, help="random 4 KiB reads per round")
     ap.add_argument("--dir", help="directory for the disk tier (default: a temp dir)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--lock-tree", action="append", metavar="TREE",
+                    help="instead: read latency during demotion rounds, per tree "
+                         "(e.g. --lock-tree OLD --lock-tree .), each in its own process")
     args = ap.parse_args()
+    if args.lock_tree:
+        return lock_trees(args.lock_tree, args.mib, args.rounds, args.dir)
     data = chunks(args.mib)
     results: dict[str, dict[str, list[dict]]] = {"checksums": {"on": [], "off": []},
                                                  "encryption": {"on": [], "off": []}}
