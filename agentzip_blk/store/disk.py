@@ -78,7 +78,7 @@ def open_tier_file(path: str) -> int:
     file of this user, mode 0600, with no other link. Never follows a symbolic link, so a
     link planted at the path cannot make us truncate its target."""
     flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
-    what = "refusing it as the disk tier (pool.swap_out_path)"
+    what = "refusing it as the disk tier (pool.swap_out_path): remove it, or set another path"
     try:
         fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
         os.fchmod(fd, 0o600)  # whatever the umask took away or left
