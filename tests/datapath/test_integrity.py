@@ -340,3 +340,39 @@ def test_the_fuse_door_answers_eio_for_a_corrupt_cell(tmp_path):
     finally:
         srv.stop()
     assert not os.path.ismount(mnt)
+
+
+def test_cli_serve_with_a_null_tier_path_writes_no_file(tmp_path):
+    """`pool.swap_out_path: null` through what the operator runs (`agentzip-blk serve` in
+    a process of its own): no file appears anywhere under the config's directory, a full
+    pool is ENOSPC, and what was written reads back."""
+    config = tmp_path / "config.yaml"
+    config.write_text("pool:\n  max_size: 1MB\n  swap_out_path: null\n")
+    nbd_sock, control = tmp_path / "nbd.sock", tmp_path / "control.sock"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentzip_blk.cli", "--config", str(config), "serve", "--size",
+         "16M", "--socket", str(nbd_sock), "--control", str(control)],
+        cwd=ROOT, env=plugin_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while not (nbd_sock.exists() and control.exists()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.05)
+        h = nbd.NBD()
+        h.connect_unix(str(nbd_sock))
+        written = []
+        with pytest.raises(nbd.Error) as err:
+            for i in range(1024):
+                written.append(os.urandom(PAGE))
+                h.pwrite(written[-1], i * PAGE)
+        assert err.value.errno == "ENOSPC"
+        written.pop()
+        assert all(h.pread(PAGE, i * PAGE) == page for i, page in enumerate(written))
+        stats = request(str(control), "stats")
+        assert stats["tiers"]["disk"]["file_bytes"] == 0 and stats["enospc"] == 1
+        h.shutdown()
+        assert sorted(p.name for p in tmp_path.iterdir()) == [
+            "config.yaml", "control.sock", "nbd.sock", "serve.pid"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
