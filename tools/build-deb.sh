@@ -110,7 +110,7 @@ install -m 0755 "$DEB/postinst" "$DEB/prerm" "$S/DEBIAN/"
 DEPENDS="nbdkit, nbdkit-plugin-python, fuse3, util-linux (>= 2.38), mount, python3 (>= 3.11), python3 (<< 3.12),"
 DEPENDS+=" python3-numpy (>= 1:1.24), python3-yaml (>= 6.0), python3-ruamel.yaml (>= 0.17.21),"
 DEPENDS+=" python3-prometheus-client (>= 0.16), python3-sortedcontainers (>= 2.4),"
-DEPENDS+=" python3-lz4 (>= 4.0.2), python3-xxhash (>= 3.2), libc6"
+DEPENDS+=" python3-lz4 (>= 4.0.2), python3-xxhash (>= 3.2), python3-cryptography (>= 38), libc6"
 SIZE=$(du -sk --exclude=DEBIAN "$S" | cut -f1)
 sed -e "s/@VERSION@/$VERSION/" -e "s/@ARCH@/$ARCH/" -e "s/@SIZE@/$SIZE/" -e "s/@DEPENDS@/$DEPENDS/" \
     "$DEB/control.in" > "$S/DEBIAN/control"

@@ -175,7 +175,9 @@ def _parse_pool(value: Any) -> PoolConfig:
         max_size=_size(data.get("max_size", d.max_size), "pool.max_size"),
         reclaim_threshold=_int(data.get("reclaim_threshold", d.reclaim_threshold),
                                "pool.reclaim_threshold", 1, 100, "1-100 percent"),
-        swap_out_path=_abs_path(data.get("swap_out_path", d.swap_out_path), "pool.swap_out_path"),
+        # null: no disk tier (nothing of the sandboxes' memory is ever written to disk)
+        swap_out_path=(None if data.get("swap_out_path", d.swap_out_path) is None else
+                       _abs_path(data.get("swap_out_path", d.swap_out_path), "pool.swap_out_path")),
         swap_out_max_size=_size(data.get("swap_out_max_size", d.swap_out_max_size),
                                 "pool.swap_out_max_size", minimum=0),
         defrag=_bool(data.get("defrag", d.defrag), "pool.defrag"),

@@ -44,7 +44,9 @@ class CompressionConfig:
 class PoolConfig:
     max_size: int = 8 << 30
     reclaim_threshold: int = 80  # percent of max_size
-    swap_out_path: str = "/var/lib/agentzip/swapfile"
+    # the disk tier's file (AEAD-encrypted, recreated empty at start); None (null): no tier,
+    # a full pool answers ENOSPC and the kernel keeps the page
+    swap_out_path: str | None = "/var/lib/agentzip/swapfile"
     swap_out_max_size: int = 0  # bytes of disk tier; 0 = as much as the filesystem holds
     defrag: bool = True
 

@@ -36,6 +36,7 @@ from . import accounting
 from .blobs import BlobTable
 from .cache import HotCache
 from .dedup import DedupIndex
+from .integrity import Corrupt
 from .disk import DiskTier
 from .objects import Counters, Deferred, Objects
 from .placement import Placer, Prepared
@@ -198,9 +199,11 @@ class PageStore:
                 for i, sub in places:
                     out[i * page : (i + 1) * page] = data[sub * page : (sub + 1) * page]
                 done.append((blob_late, data.obj))
-        except Exception:
+        except Exception as exc:
             with self.lock:
                 self.counters.errors += 1
+                if isinstance(exc, Corrupt):
+                    self.objects.note_corrupt(exc)
             raise
         with self.lock:
             for blob_late, data in done:

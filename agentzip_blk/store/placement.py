@@ -167,7 +167,7 @@ class Placer:
         for value in objects.index.candidates(index_key(lo)):
             blob, sub = unpack(value)
             if blobs.pages[blob] == 1:
-                equal = int(blobs.hash_hi[blob]) == hi and objects.fetch(blob) == page
+                equal = int(blobs.hash_hi[blob]) == hi and objects.page(blob, 0) == page
             else:  # frame pages keep only the index key; the bytes decide
                 equal = objects.page(blob, sub) == page
             if equal:
