@@ -17,7 +17,7 @@ import sys
 from .. import __version__
 from ..errors import ConfigError, DeviceError, SetupError
 from . import (config_show, demo, dicts, doctor, down, estimate, helptext, install_units, metrics,
-               node_agent, scope, serve, stats, status, tune, up, webhook)
+               node_agent, progress, scope, serve, stats, status, tune, up, webhook)
 from ._common import EXIT_NOT_ATTACHED, EXIT_RUNTIME, EXIT_SETUP, PROG, CliError, error
 
 __all__ = ["main", "build_parser", "PROG", "EXIT_NOT_ATTACHED", "CliError"]
@@ -34,9 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compressed, deduplicating userspace swap device for agent sandboxes.")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     helptext.add_global_options(p)
-    p.add_argument("--progress", action="store_true",
-                   help="show progress bars even when stderr is not a terminal")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", help="one of:")
     sub.required = True
     for command in COMMANDS:
         command.register(sub)
@@ -47,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    progress.force(args.progress)
     try:
         return args.func(args)
     except CliError as e:

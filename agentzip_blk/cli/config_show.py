@@ -36,7 +36,7 @@ def register(sub) -> None:
                                    "the drop-ins of config.d/ next to it merged in name order.",
                        epilog=f"example:\n  {PROG} config show",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    csub = c.add_subparsers(dest="config_command", metavar="ACTION")
+    csub = c.add_subparsers(dest="config_command", metavar="ACTION", help="show")
     csub.required = True
     s = csub.add_parser("show", help="print the merged config with the source of each value",
                         description="The merged effective config, one key per line, with the "

@@ -18,7 +18,8 @@ from ..codec.codecs import ZstdCodec, ZstdDictCodec
 from ..codec.dictionaries.files import dict_dir, load_manifest, read_file, write_file
 from ..codec.dictionaries.trainer import sizes, train_content
 from ..codec.estimate import classify
-from ._common import PROG, ProgressBar
+from . import progress
+from ._common import PROG
 from .table import BYTES, Column, Table, plain
 
 
@@ -52,7 +53,7 @@ def register(subparsers) -> None:
         epilog=f"examples:\n  {PROG} dict list\n  {PROG} dict train --pid 123 -o host.dict\n"
                f"  {PROG} dict show host.dict",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    dsub = d.add_subparsers(dest="dict_command", metavar="ACTION")
+    dsub = d.add_subparsers(dest="dict_command", metavar="ACTION", help="list | train | show")
     dsub.required = True
     s = dsub.add_parser("list", help="the shipped dictionaries (manifest)",
                         description="The shipped dictionaries and their measured gains, as a "
@@ -98,7 +99,7 @@ def cmd_list(args) -> int:
 
 
 def _pages(pids, limit) -> list[bytes]:
-    pages = procmem.process_pages(pids, limit=limit, progress=ProgressBar("reading memory"))
+    pages = procmem.process_pages(pids, limit=limit, progress=progress.pages("reading memory"))
     unique, _, _ = classify(pages)
     return unique
 

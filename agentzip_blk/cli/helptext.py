@@ -3,7 +3,7 @@
 A command module may set its own ``description=`` and ``epilog=`` (an ``example:`` block);
 `finish` fills in those it leaves out from the tables below, so that the man page and the
 shell completion generated from `build_parser()` (argparse-manpage, shtab) describe every
-command. It also gives each subcommand ``--config`` and ``--run-dir``: operators type
+command. It also gives each subcommand ``--config``, ``--run-dir`` and ``--progress``: operators type
 ``agentzip-blk up --config X`` as often as ``agentzip-blk --config X up``.
 """
 
@@ -16,6 +16,7 @@ from ._common import PROG
 CONFIG_HELP = "config file (default /etc/agentzip/config.yaml if it exists); the drop-ins " \
               "of config.d/ next to it are merged over it in name order"
 RUN_DIR_HELP = "state directory (default: device.run_dir, /run/agentzip)"
+PROGRESS_HELP = "draw progress bars on stderr even when it is not a terminal"
 
 # command path -> (description, example lines)
 TEXTS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -69,16 +70,20 @@ def walk(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
         yield from walk(sub, path + (name,))
 
 
-def add_global_options(parser: argparse.ArgumentParser, default=None) -> None:
-    """--config and --run-dir; on a subcommand with default SUPPRESS, so that one given
-    before the subcommand is kept when it is not repeated after it."""
-    parser.add_argument("--config", metavar="PATH", default=default, help=CONFIG_HELP)
-    parser.add_argument("--run-dir", metavar="DIR", default=default, help=RUN_DIR_HELP)
+def add_global_options(parser: argparse.ArgumentParser, sub: bool = False) -> None:
+    """--config, --run-dir, --progress; on a subcommand with default SUPPRESS, so that one
+    given before the subcommand is kept when it is not repeated after it."""
+    parser.add_argument("--config", metavar="PATH", help=CONFIG_HELP,
+                        **({"default": argparse.SUPPRESS} if sub else {}))
+    parser.add_argument("--run-dir", metavar="DIR", help=RUN_DIR_HELP,
+                        **({"default": argparse.SUPPRESS} if sub else {}))
+    parser.add_argument("--progress", action="store_true", help=PROGRESS_HELP,
+                        **({"default": argparse.SUPPRESS} if sub else {}))
 
 
 def finish(parser: argparse.ArgumentParser) -> None:
     for path, sub, help_ in walk(parser):
-        add_global_options(sub, argparse.SUPPRESS)
+        add_global_options(sub, sub=True)
         name = " ".join(path)
         description, examples = TEXTS.get(name, (None, ()))
         if not sub.description:

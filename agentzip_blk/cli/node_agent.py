@@ -18,12 +18,14 @@ def register(sub) -> None:
                    help="kubelet base (default https://127.0.0.1:10250) or API server base "
                         "(default from KUBERNETES_SERVICE_HOST/PORT)")
     s.add_argument("--node", metavar="NAME", help="node name (default $NODE_NAME)")
-    s.add_argument("--cgroup-driver", choices=("systemd", "cgroupfs"), default="systemd")
+    s.add_argument("--cgroup-driver", choices=("systemd", "cgroupfs"), default="systemd",
+                   help="the kubelet's cgroup driver (default systemd)")
     s.add_argument("--token-file", metavar="PATH", help="bearer token (default: service account)")
     s.add_argument("--ca-file", metavar="PATH", help="CA bundle (default: service account CA for --source api)")
     s.add_argument("--insecure", action="store_true",
                    help="do not verify the server certificate (kubelet self-signed certs)")
-    s.add_argument("--interval", type=float, default=30.0, metavar="SECONDS")
+    s.add_argument("--interval", type=float, default=30.0, metavar="SECONDS",
+                   help="seconds between rounds (default 30)")
     s.add_argument("--once", action="store_true", help="one round, print the result, exit")
     s.add_argument("--json", action="store_true", help="--once: print JSON")
     s.set_defaults(func=cmd_node_agent)

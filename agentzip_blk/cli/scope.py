@@ -131,8 +131,21 @@ def _list(args, path: str) -> int:
     return 0
 
 
+EXAMPLES = f"""\
+examples:
+  {PROG} scope add --cgroup 'agent-sandbox-*.slice'
+  {PROG} scope disable --cgroup 'batch-*'
+  {PROG} scope list --json
+"""
+
+
 def register(sub) -> None:
-    s = sub.add_parser("scope", help="cgroups the tuner may touch (globs in the config file)")
+    s = sub.add_parser("scope", help="cgroups the tuner may touch (globs in the config file)",
+                       description="The cgroups the tuner may touch: globs matched anywhere in "
+                                   "the hierarchy. Edits go to config.d/90-scopes.yaml next to "
+                                   "the config file, never to the file itself; asking for the "
+                                   "state that is already there exits 0.",
+                       epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("action", choices=ACTIONS, help="add | remove | enable | disable | list")
     s.add_argument("--cgroup", metavar="GLOB",
                    help="cgroup glob, matched anywhere in the hierarchy (e.g. 'agent-sandbox-*.slice')")

@@ -21,7 +21,7 @@ import yaml
 
 from ..errors import ConfigError
 from .dropins import Sources, dropin_dir, dropin_files, merge, normalized_key
-from .quantities import parse_duration, parse_size
+from .quantities import decimal_hint, parse_duration, parse_size
 from .schema import (ALGORITHMS, DEFAULT_CONFIG_PATH, DICTIONARY_MODES, FRONTENDS, KEY_ALIASES,
                      LEVEL_RANGES,
                      MAX_FRAME_PAGES, MIN_SIZE, SUPPORTED_PAGE_SIZE, SWAP_PRIORITY_RANGE,
@@ -79,7 +79,8 @@ def _size(value: Any, key: str, minimum: int = MIN_SIZE) -> int:
     except ValueError as e:
         raise ConfigError(f"{key}: {e}") from None
     if size < minimum:
-        raise ConfigError(f"{key}: {value!r} is too small (minimum {minimum} bytes)")
+        raise ConfigError(f"{key}: {value!r} is too small (minimum {minimum} bytes)"
+                          f"{decimal_hint(value)}")
     return size
 
 
@@ -233,7 +234,8 @@ def _parse_device(value: Any) -> DeviceConfig:
     raw_size = data.get("size", d.size)
     size = _size(raw_size, "device.size")
     if size % SUPPORTED_PAGE_SIZE:  # the kernel swaps whole pages; a partial last page is useless
-        raise ConfigError(f"device.size: {raw_size!r} must be a multiple of {SUPPORTED_PAGE_SIZE} bytes")
+        raise ConfigError(f"device.size: {raw_size!r} must be a multiple of {SUPPORTED_PAGE_SIZE} "
+                          f"bytes{decimal_hint(raw_size)}")
     lo, hi = SWAP_PRIORITY_RANGE
     return DeviceConfig(
         size=size,
