@@ -47,13 +47,16 @@ def _aliases_of(section: str) -> dict[str, str]:
     return {old: new for (sec, old), new in KEY_ALIASES.items() if sec == section}
 
 
-def _unify_alias(section: str, base: dict, over: Mapping) -> dict:
+def _unify_alias(section: str, base: dict, over: Mapping, sources: Sources) -> dict:
     """Give *base* the spelling *over* uses for an aliased key, so that an old name in
     config.yaml and the new one in a drop-in (or the reverse) replace each other."""
     for old, new in _aliases_of(section).items():
         for have, want in ((old, new), (new, old)):
             if have in base and want in over and have not in over:
                 base = {(want if k == have else k): v for k, v in base.items()}
+                origin = sources.pop(f"{section}.{have}", None)
+                if origin is not None:
+                    sources[f"{section}.{want}"] = origin
     return base
 
 
@@ -63,7 +66,7 @@ def merge(base: dict, over: Mapping, origin: str, sources: Sources, prefix: str 
     A null section in a drop-in (``pool:`` with nothing under it) changes nothing, as a
     null section means "the defaults" in a single file.
     """
-    out = _unify_alias(prefix, dict(base), over)
+    out = _unify_alias(prefix, dict(base), over, sources)
     for key, value in over.items():
         dotted = f"{prefix}.{key}" if prefix else str(key)
         old = out.get(key)
