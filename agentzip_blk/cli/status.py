@@ -124,7 +124,10 @@ def cmd_status(args) -> int:
         table, notes = status_text(st, args)
         print(table)
         for line in notes:
-            print(line if plain(args) else f"{PROG}: {line}", file=None if plain(args) else sys.stderr)
+            if plain(args):
+                print(line)
+            else:
+                print(f"{PROG}: {line}", file=sys.stderr)
     if st["healthy"] is False:
         return EXIT_UNHEALTHY
     return 0 if st["attached"] else EXIT_NOT_ATTACHED

@@ -10,6 +10,7 @@ them pass `known_dictionaries`, and without it names are only checked for syntax
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import os
@@ -382,16 +383,22 @@ def load_config(path: str | os.PathLike[str] | None = None, *,
 
 
 def old_key_names(path: str | os.PathLike[str] | None = None) -> list[tuple[str, str]]:
-    """(old, new) dotted names of the keys the config file spells the old way (KEY_ALIASES):
-    still accepted, and `doctor` says so. A file that cannot be read has none."""
+    """(old, new) dotted names of the keys the config file or its drop-ins spell the old way
+    (KEY_ALIASES): still accepted, and `doctor` says so. A file that cannot be read has none."""
     resolved = _resolve(path)
-    try:
-        data = _read_yaml(resolved) if resolved else None
-    except ConfigError:
-        return []
-    found = []
-    for (section, old), new in KEY_ALIASES.items():
-        part = data.get(section) if isinstance(data, Mapping) else None
-        if isinstance(part, Mapping) and old in part:
-            found.append((f"{section}.{old}", f"{section}.{new}"))
+    base = resolved if resolved is not None else DEFAULT_CONFIG_PATH
+    files = [resolved] if resolved else []
+    with contextlib.suppress(ConfigError):  # an unreadable config.d: `load_config` says so
+        files += dropin_files(dropin_dir(base))
+    found: list[tuple[str, str]] = []
+    for file in files:
+        try:
+            data = _read_yaml(file)
+        except ConfigError:
+            continue
+        for (section, old), new in KEY_ALIASES.items():
+            part = data.get(section) if isinstance(data, Mapping) else None
+            pair = (f"{section}.{old}", f"{section}.{new}")
+            if isinstance(part, Mapping) and old in part and pair not in found:
+                found.append(pair)
     return found

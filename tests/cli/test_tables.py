@@ -165,3 +165,26 @@ def test_stats_columns(server):
 
     res = run("stats", "--control", sock)
     assert res.stdout.splitlines()[0].split() == [c.name for c in STATS.defaults()]
+
+
+def test_stats_cgroup_table_options():
+    import argparse
+
+    from agentzip_blk.cli.stats import CGROUPS, cgroup_table
+
+    row = {"cgroup": "/a.slice", "pids": 2, "orig_mem": 8 << 20, "stored_mem": 2 << 20,
+           "ratio": 4.0, "pages": 2048, "zero_pages": 0, "same_pages": 1, "disk_pages": 0,
+           "kernel_swap": None, "blob_pages": 2047, "other_swap_pages": 0, "unreadable": 0}
+    res = {"cgroups": [row, dict(row, cgroup="/b.slice")], "total": dict(row, cgroup="*"),
+           "device": "/dev/loop9", "swap_type": 1,
+           "store": {"pages": 4096, "orig_mem": 16 << 20, "compressed_bytes": 4 << 20,
+                     "stored_mem": 5 << 20}}
+    args = argparse.Namespace(output="CGROUP,ORIG,RATIO,KSWAP", output_all=False, raw=True,
+                              noheadings=False, bytes=True)
+    assert _raw(cgroup_table(res, args)) == [
+        ["CGROUP", "ORIG", "RATIO", "KSWAP"], ["/a.slice", str(8 << 20), "4.00", "-"],
+        ["/b.slice", str(8 << 20), "4.00", "-"], ["total", str(8 << 20), "4.00", "-"]]
+    args.output, args.raw, args.bytes = None, False, False
+    text = cgroup_table(res, args)
+    assert text.splitlines()[0].split() == [c.name for c in CGROUPS.defaults()]
+    assert "device /dev/loop9" in text  # for people, the notes follow
