@@ -56,9 +56,11 @@ def _already_up(args, config, run_dir: str, size: int | None) -> str | None:
         return None
     want = _device_settings(config, size, args.priority)
     have = _device_settings(running, state.size, state.swap_priority)
-    if want != have:
+    other_plugin = args.plugin and args.plugin not in (state.plugin, os.path.basename(state.plugin or ""))
+    if want != have or other_plugin:
         diff = sorted(k for k in want["config"] if want["config"][k] != have["config"][k])
         diff += [k for k in ("size", "priority") if want[k] != have[k]]
+        diff += ["plugin"] if other_plugin else []
         raise CliError(f"a device is already attached from {run_dir} with other settings "
                        f"({', '.join(diff)}): `{PROG} down` first to change them")
     return (f"{state.device}: already up, {fmt(state.size)}, priority {state.swap_priority}; "
