@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import grp
 import os
 import re
 from collections.abc import Collection, Mapping
@@ -244,7 +245,26 @@ def _parse_device(value: Any) -> DeviceConfig:
         run_dir=_abs_path(data.get("run_dir", d.run_dir), "device.run_dir"),
         rotational=_bool(data.get("rotational", d.rotational), "device.rotational"),
         frontend=_frontend(data.get("frontend", d.frontend)),
+        control_group=_group(data.get("control_group", d.control_group), "device.control_group"),
     )
+
+
+_GROUP_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")
+
+
+def _group(value: Any, key: str) -> str | None:
+    """A group name that exists on this host (it is resolved to a gid at start), or null."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _GROUP_NAME.fullmatch(value):
+        raise ConfigError(f"{key}: {value!r} is not a group name (letters, digits, _ . -; "
+                          f"null for root only)")
+    try:
+        grp.getgrnam(value)
+    except KeyError:
+        raise ConfigError(f"{key}: no group {value!r} on this host (getent group {value}); "
+                          f"create it or set null for root only") from None
+    return value
 
 
 def _frontend(value: Any) -> str:

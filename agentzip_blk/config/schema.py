@@ -81,6 +81,10 @@ class DeviceConfig:
     # served by FUSE from the server process itself ("fuse"), or by nbdfuse over NBD
     # ("nbdfuse", the old chain, kept for comparison). auto: nbd where /dev/nbd0 exists.
     frontend: str = "auto"
+    # A group whose members may use the read-only control verbs on control.sock
+    # (datapath.server.READ_ONLY_VERBS), e.g. a metrics exporter that is not root.
+    # None: root only. nbd.sock stays root's alone whatever this says.
+    control_group: str | None = None
 
 
 FRONTENDS = ("auto", "fuse", "nbdfuse", "nbd")

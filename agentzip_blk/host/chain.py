@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import stat
 import time
 
 from .. import procfs
@@ -19,8 +21,10 @@ from ..datapath import control
 from ..errors import DeviceError, SetupError
 from . import facts, procs
 from .procs import STOPPED_STATES, ours_alive, run_tool, spawn, stop_process, wait_gone, wait_ready
+from .rundir import open_private
 from .runstate import STATE_FILE, TOOLS, RunState
-from .servercmd import default_plugin_path, is_python_plugin, plugin_env, server_command
+from .servercmd import (SERVER_PATH, default_plugin_path, is_python_plugin, plugin_env,
+                        server_command)
 
 
 SWAP_LABEL = "agentzip"
@@ -71,8 +75,12 @@ __attribute__((constructor)) static void agentzip_lock_memory(void)
 
 
 def resolve_tool(name: str, tools: dict) -> str:
+    """The executable for ``name``: an in-process override (tests), else found on the fixed
+    SERVER_PATH, never on a path read from a file (state.json no longer records tools)."""
     t = tools.get(name) or TOOLS[name]
-    return facts.which(t) or t
+    if os.sep in t:
+        return t
+    return shutil.which(t, path=SERVER_PATH) or facts.which(t) or t
 
 
 def is_mounted(path: str | None) -> bool:
@@ -162,7 +170,7 @@ def _build_mlock_shim(run_dir: str) -> str | None:
         return None
     src = os.path.join(run_dir, "agentzip-mlock.c")
     lib = os.path.join(run_dir, "agentzip-mlock.so")
-    with open(src, "w", encoding="ascii") as f:
+    with open_private(src, encoding="ascii") as f:
         f.write(_MLOCK_SHIM_C)
     try:
         run_tool([cc, "-O2", "-shared", "-fPIC", "-o", lib, src], timeout=60, what="cc (mlock shim)")
@@ -353,7 +361,7 @@ def write_effective_config(config, run_dir: str) -> str:
     import yaml
 
     path = os.path.join(run_dir, "config.yaml")
-    with open(path, "w") as f:
+    with open_private(path) as f:
         f.write("# the config this server was started with (written by agentzip-blk up)\n")
         yaml.safe_dump(config.to_dict(), f, sort_keys=False)
     return path
@@ -389,6 +397,7 @@ def up_steps(state: RunState, timeout: float, fail_after: str | None) -> None:
     if state.frontend == "fuse":
         ready.append(state.fuse_file)  # mounted and answering once its lookup succeeds
     wait_ready(proc, pidfile, ready, timeout, "nbdkit", log)
+    _private_socket(state.nbd_socket)
     if state.control_socket:
         server_request(state, "health", timeout)  # serving, not only listening
     # best effort: needs CAP_SYS_RESOURCE (missing in some containers)
@@ -414,6 +423,14 @@ def up_steps(state: RunState, timeout: float, fail_after: str | None) -> None:
     _swapon(state, timeout, fail_after)
 
 
+def _private_socket(path: str) -> None:
+    """nbdkit gives its socket a mode of its own (0755 measured, whatever the umask): make it
+    0600. Its ip filter admits root only anyway (servercmd.peer_filter_args)."""
+    with contextlib.suppress(OSError):
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.chmod(path, 0o600)
+
+
 def _mountpoint(state: RunState, file_name: str) -> None:
     """RUN/mnt and the file in it, canonical (as losetup records its backing file), so that
     status and teardown never need to resolve a path inside the mount."""
@@ -421,6 +438,9 @@ def _mountpoint(state: RunState, file_name: str) -> None:
     os.makedirs(mnt, mode=0o700, exist_ok=True)
     if is_mounted(mnt):
         raise DeviceError(f"{mnt} is already a mount point: fusermount3 -u {mnt}")
+    if os.path.islink(mnt) or not os.path.isdir(mnt):
+        raise DeviceError(f"{mnt} is not a directory (a link?): remove it")
+    os.chmod(mnt, 0o700)  # an old one keeps its mode otherwise
     state.mountpoint = mnt
     state.fuse_file = os.path.join(mnt, file_name)
     state.save()

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from .. import procfs
 from ..config import old_key_names
 from . import facts
+from .kubelet import DEFAULT_KUBELET_CONFIG, KubeletSwap, read_kubelet_swap, verdict
 from .procs import pid_alive
 
 __all__ = ["Check", "Facts", "gather", "diagnose", "render", "worst", "PASS", "WARN", "FAIL"]
@@ -62,6 +63,7 @@ class Facts:
     # swaps cold anon pages of *every* cgroup into whatever swap exists, scoped or not
     damon_anon_pageout: list[str] = field(default_factory=list)
     damon_file_only: list[str] = field(default_factory=list)  # pageout schemes that skip anon
+    kubelet: KubeletSwap | None = None  # the kubelet's swap settings (host.kubelet)
 
 
 def _kernel_tuple(release: str) -> tuple[int, int]:
@@ -73,7 +75,8 @@ def _under(root: str, path: str) -> str:
     return path if root in ("", "/") else os.path.join(root, path.lstrip("/"))
 
 
-def gather(run_dir: str, config=None, root: str = "/", config_path: str | None = None) -> Facts:
+def gather(run_dir: str, config=None, root: str = "/", config_path: str | None = None,
+           kubelet_config: str = DEFAULT_KUBELET_CONFIG) -> Facts:
     """The facts of this host; `config_path` is the file `config` came from (None: the
     default path), read again for keys spelled the old way."""
     from ..cgroups.backends import open_backend
@@ -107,6 +110,7 @@ def gather(run_dir: str, config=None, root: str = "/", config_path: str | None =
     f.loop_control = os.path.exists("/dev/loop-control")
     f.fuse_tools = facts.missing_tools(["nbdfuse", "fusermount3"])
     f.damon_anon_pageout, f.damon_file_only = damon_pageout(_under(root, "/sys"))
+    f.kubelet = read_kubelet_swap(kubelet_config)
     state = None
     try:
         state = RunState.load(run_dir)
@@ -384,8 +388,14 @@ def _scopes(f: Facts) -> Iterator[Check]:
         yield Check("scopes", PASS, f"{len(f.scoped_cgroups)} cgroup(s) in scope: {shown}")
 
 
+def _kubelet(f: Facts) -> Iterator[Check]:
+    """The kubelet's failSwapOn and memorySwap.swapBehavior (docs/KUBERNETES.md)."""
+    if f.kubelet is not None:
+        yield Check("kubelet swap", *verdict(f.kubelet))
+
+
 RULES = (_kernel, _memory_cgroup, _swap_areas, _zswap, _attach_path, _server, _host_reclaim,
-         _old_config_keys, _scopes)
+         _old_config_keys, _scopes, _kubelet)
 
 
 def worst(checks: list[Check]) -> str:

@@ -104,10 +104,12 @@ class Objects:
         self.codec_pages[codec_id] += 1
         return blob
 
-    def new_frame(self, compressed, codec_id: int, keys: list[int], now: int) -> int:
+    def new_frame(self, compressed, codec_id: int, keys: list[int], now: int,
+                  dict_id: int = 0) -> int:
         """A frame of len(keys) pages with one reference per page; `keys` are the pages'
-        dedup index keys (a frame's pages keep only those: the bytes decide equality)."""
-        blob = self._new(compressed, codec_id, 0, 0, 0, now, len(keys))
+        dedup index keys (a frame's pages keep only those: the bytes decide equality);
+        `dict_id` the dictionary it was compressed with (0: none)."""
+        blob = self._new(compressed, codec_id, dict_id, 0, 0, now, len(keys))
         self.blobs.ref[blob] = len(keys)
         for sub, key in enumerate(keys):
             self.blobs.members[blob, sub] = key

@@ -92,7 +92,8 @@ class PageStore:
         )
         # compression.dictionary: loads (and checks) the dictionaries now, so a missing or
         # corrupt file stops the server at startup; picks one per write request later.
-        self.dicts = StoreDictionaries(writer, dictionary, level, page_size, clock=clock)
+        self.dicts = StoreDictionaries(writer, dictionary, level, page_size, clock=clock,
+                                       frame_writer=self.frame_codec, frame_pages=frame_pages)
         self.codecs = CodecSet(writer, self.dicts.registry)
         max_blob = frame_pages * MAX_COMPRESSED if frame_pages > 1 else page_size
         self.pool = Pool(tiering.max_size, page_size, max_blob)
