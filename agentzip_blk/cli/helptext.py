@@ -10,6 +10,7 @@ command. It also gives each subcommand ``--config``, ``--run-dir`` and ``--progr
 from __future__ import annotations
 
 import argparse
+import textwrap
 
 from ._common import PROG
 
@@ -93,3 +94,5 @@ def finish(parser: argparse.ArgumentParser) -> None:
             sub.epilog = "\n".join([label] + [f"  {e}" for e in examples])
         if sub.epilog and sub.formatter_class is argparse.HelpFormatter:
             sub.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the example lines
+        if sub.description and "\n" not in sub.description:
+            sub.description = textwrap.fill(sub.description, 79)  # raw: not wrapped by argparse
