@@ -85,7 +85,8 @@ class Table:
         return "\n".join(lines)
 
     def add_arguments(self, parser: argparse.ArgumentParser, json_help: str) -> None:
-        default = ",".join(c.name for c in self.defaults())
+        # ", " and not ",": help and man page wrap only at spaces (groff cannot break the list)
+        default = ", ".join(c.name for c in self.defaults())
         parser.add_argument("-o", "--output", metavar="COL,COL",
                             help=f"columns to print, in this order; +COL,... adds to the "
                                  f"default ({default}); see the list below")
