@@ -25,6 +25,7 @@ from .control import ControlServer
 from .guard import SignalGuard
 
 PLUGIN_KEYS = ("config", "size", "control", "fuse", "fuse_threads")
+MAX_STATS_AGE = 3600  # s: the oldest cached stats a `stats` request may ask for
 
 
 @dataclass
@@ -215,7 +216,17 @@ class Server:
         return self.store.maintain()
 
     def _stats(self, request: dict) -> dict:
-        stats = self.store.stats()
+        """Store stats from the cached snapshot (store.accounting.StatsCache): request
+        {"max_age": s} takes one up to s seconds old (the exporter does: a scrape storm then
+        scans nothing); without it, one taken after the request came, shared with the
+        requests waiting for the same scan. The reply says how old it is."""
+        max_age = request.get("max_age", 0)
+        if isinstance(max_age, bool) or not isinstance(max_age, (int, float)) or not (
+                0 <= max_age <= MAX_STATS_AGE):
+            raise ValueError(f'"max_age" must be a number of seconds, 0-{MAX_STATS_AGE}')
+        cached, age = self.store.cached_stats(float(max_age))
+        stats = dict(cached)  # the snapshot is shared between replies
+        stats["snapshot"] = {"age_s": round(age, 3), "max_age_s": max_age}
         stats["latency"] = self.latency.snapshot()
         stats["server"] = {
             "pid": os.getpid(),

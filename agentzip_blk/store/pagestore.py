@@ -35,7 +35,7 @@ from ..errors import OutOfRange, StoreFull
 from . import accounting
 from .blobs import BlobTable
 from .cache import HotCache
-from .dedup import DedupIndex
+from .dedup import DedupIndex, HashFn
 from .disk import DiskTier
 from .objects import Counters, Deferred, Objects
 from .placement import Placer, Prepared
@@ -47,6 +47,7 @@ TICKS_PER_SECOND = 100  # 10 ms ticks: uint32 lasts 497 days, then ticks are reb
 _TICK_REBASE = 1 << 31
 _FEW_PAGES = 8  # requests up to this many pages take the scalar read path
 _FRAME_CACHE_FRAMES = 8  # decompressed frames kept for the reads of their other pages
+_SNAPSHOT_READERS_WITHIN = 60.0  # s: the maintainer refreshes cached stats read this recently
 
 
 def _ticks(seconds: float) -> int:
@@ -66,6 +67,8 @@ class PageStore:
         clock: Callable[[], float] = time.monotonic,
         dictionary: str | list[str] = "none",
         frame_pages: int = 1,
+        dedup: bool = True,
+        hasher: HashFn | None = None,
     ) -> None:
         if page_size != 4096:
             raise ValueError("only 4096-byte pages are supported")
@@ -102,7 +105,7 @@ class PageStore:
             else None
         )
         self.blobs = BlobTable(frame_pages=frame_pages)
-        self.index = DedupIndex()
+        self.index = DedupIndex(enabled=dedup)
         self.counters = Counters()
         self.hot = HotCache(tiering.hot_cache_size)
         frames = HotCache(_FRAME_CACHE_FRAMES * frame_pages * page_size if frame_pages > 1 else 0)
@@ -117,12 +120,14 @@ class PageStore:
         self.warm_ticks = _ticks(tiering.warm_threshold_ms / 1000)
         self.cold_ticks = _ticks(tiering.cold_grace_period)
         self.placer = Placer(self.objects, self.codecs, self.frame_codec, self.dicts,
-                             self.counters, frame_pages, self.hot_ticks)
+                             self.counters, frame_pages, self.hot_ticks, dedup, hasher)
         self.tiers = Tiers(self)
         self.objects.promote = self.tiers.promote
         self.reclaim_bytes = self.tiers.reclaim_bytes
         self.reclaim_target = self.tiers.reclaim_target
         self.wake: Callable[[], None] = lambda: None  # set by the maintenance worker
+        # stats for the server's `stats` verb, refreshed by the maintainer (accounting.StatsCache)
+        self.snapshots = accounting.StatsCache(self.stats, time.monotonic)
 
     @classmethod
     def from_config(cls, size: int, config, **kwargs) -> PageStore:
@@ -134,6 +139,7 @@ class PageStore:
             page_size=config.compression.page_size,
             dictionary=config.compression.dictionary,
             frame_pages=config.compression.frame_pages,
+            dedup=config.compression.dedup == "on",
             **kwargs,
         )
 
@@ -448,7 +454,10 @@ class PageStore:
         return self.tiers.compact()
 
     def maintain(self) -> dict:
-        return self.tiers.maintain()
+        result = self.tiers.maintain()
+        # one scan per round, and only while someone reads the cached stats (a scraper)
+        self.snapshots.refresh_if_read(_SNAPSHOT_READERS_WITHIN)
+        return result
 
     def meta_bytes(self) -> int:
         """Everything held in memory besides pool arenas (accounting.meta_parts)."""
@@ -458,8 +467,13 @@ class PageStore:
         return accounting.stored_mem(self, self.meta_bytes())
 
     def stats(self) -> dict:
+        """Exact stats: a full scan under the store lock (requests wait for it)."""
         with self.lock:
             return accounting.stats(self)
+
+    def cached_stats(self, max_age: float = 0.0) -> tuple[dict, float]:
+        """Stats at most `max_age` seconds old, and their age (accounting.StatsCache)."""
+        return self.snapshots.get(max_age)
 
     def slot_sizes(self, slots) -> dict:
         with self.lock:

@@ -23,7 +23,6 @@ import numpy as np
 from ..errors import CodecError, StoreFull
 from .blobs import DISK, POOL
 from .disk import DiskError
-from .placement import page_hash
 from .pool import PoolFull
 
 if TYPE_CHECKING:
@@ -182,7 +181,7 @@ class Tiers:
         data = memoryview(objects.fetch(blob))
         subs = sorted({int(slots.sub[slot]) for slot in frame_slots})
         pages = [data[sub * page : (sub + 1) * page] for sub in subs]
-        hashes = [page_hash(p) for p in pages]
+        hashes = store.placer.hashes(pages)  # keyed per store (dedup.PageHasher)
         placed: list[tuple[int, int]] = [(0, 0)] * len(pages)
         staged: list[int] = []
         now = int(objects.blobs.atime[blob])  # the pages keep their age
