@@ -69,6 +69,14 @@ def test_scrape_storm_during_traffic(tmp_path):
         finally:
             h.shutdown()
 
+    try:
+        _storm(srv, traffic, stop, written, errors)
+    finally:
+        srv.stop()
+
+
+def _storm(srv, traffic, stop: threading.Event, written: dict[int, bytes],
+           errors: list[str]) -> None:
     writer = threading.Thread(target=traffic)
     writer.start()
     exporter = control_stats(srv.control_socket)
@@ -90,19 +98,16 @@ def test_scrape_storm_during_traffic(tmp_path):
     finally:
         stop.set()
         writer.join(120)
-    try:
-        assert not errors, errors[:3]
-        h = nbd.NBD()
-        h.connect_unix(srv.nbd_socket)
-        for slot, data in sorted(written.items()):
-            assert h.pread(PAGE, slot * PAGE) == data, f"slot {slot}"
-        h.shutdown()
-        final = request(srv.control_socket, "stats")  # fresh by default: exact
-        consistent(final, 0.0)
-        assert final["pages"] == len(written)
-        with pytest.raises(ControlError, match="max_age"):
-            request(srv.control_socket, "stats", max_age="old")
-        with pytest.raises(ControlError, match="max_age"):
-            request(srv.control_socket, "stats", max_age=-1)
-    finally:
-        srv.stop()
+    assert not errors, errors[:3]
+    h = nbd.NBD()
+    h.connect_unix(srv.nbd_socket)
+    for slot, data in sorted(written.items()):
+        assert h.pread(PAGE, slot * PAGE) == data, f"slot {slot}"
+    h.shutdown()
+    final = request(srv.control_socket, "stats")  # fresh by default: exact
+    consistent(final, 0.0)
+    assert final["pages"] == len(written)
+    with pytest.raises(ControlError, match="max_age"):
+        request(srv.control_socket, "stats", max_age="old")
+    with pytest.raises(ControlError, match="max_age"):
+        request(srv.control_socket, "stats", max_age=-1)
