@@ -4,7 +4,7 @@
 
 Starts nbdkit with the agentzip plugin (no swap, no loop device), fills the device with
 agent-like pages, then times random 4 KiB NBD reads one at a time in three phases of the same
-run:
+run, interleaved in `--rounds` rounds (each round runs every phase for a slice of the reads):
 
 - ``quiet``: no scrapes (the reference);
 - ``exporter``: `--scrapers` threads each running the metrics exporter's fetch
@@ -118,6 +118,7 @@ def main() -> int:
     ap.add_argument("--fill", default="256M")
     ap.add_argument("--reads", type=int, default=3000)
     ap.add_argument("--scrapers", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=10, help="interleaved rounds of the phases")
     ap.add_argument("--period", type=float, default=1.0,
                     help="seconds between one scraper's requests (0: back to back)")
     ap.add_argument("--dictionary", default="auto", help="compression.dictionary")
@@ -136,24 +137,28 @@ def main() -> int:
             t0 = time.perf_counter()
             control.request(ctl, "stats", timeout=120)
             scan = time.perf_counter() - t0
-            timed_reads(h, pages, args.reads, seed=99)  # warm up: caches, allocator, threads
-            results = {}
+            timed_reads(h, pages, args.reads // args.rounds, seed=99)  # warm up
             phases = [("quiet", None),
                       ("exporter", control_stats(ctl)),
-                      ("fresh", lambda: control.request(ctl, "stats", timeout=120)),
-                      ("quiet2", None)]  # the reference again: drift of the machine
-            for n, (name, fetch) in enumerate(phases):
-                stop, answered, threads, go = threading.Event(), [0], [], None
-                if fetch is not None:
-                    threads, go = storm(args.scrapers, fetch, stop, answered, args.period)
-                    time.sleep(0.5)
-                lat = timed_reads(h, pages, args.reads, seed=n)
-                stop.set()
-                if go is not None:
-                    go.abort()
-                for t in threads:
-                    t.join(120)
-                results[name] = (pct(lat, 50), pct(lat, 99), answered[0])
+                      ("fresh", lambda: control.request(ctl, "stats", timeout=120))]
+            lat: dict[str, list[float]] = {name: [] for name, _ in phases}
+            answered = {name: [0] for name, _ in phases}
+            # Interleaved: every round runs each phase for a slice of the reads, so that the
+            # drift of a shared machine lands on all phases alike.
+            for r in range(args.rounds):
+                for n, (name, fetch) in enumerate(phases):
+                    stop, threads, go = threading.Event(), [], None
+                    if fetch is not None:
+                        threads, go = storm(args.scrapers, fetch, stop, answered[name],
+                                            args.period)  # the first burst comes now
+                    lat[name] += timed_reads(h, pages, args.reads // args.rounds,
+                                             seed=r * 10 + n)
+                    stop.set()
+                    if go is not None:
+                        go.abort()
+                    for t in threads:
+                        t.join(120)
+            results = {name: (pct(v, 50), pct(v, 99), answered[name][0]) for name, v in lat.items()}
             h.shutdown()
         except BaseException:
             print(open(os.path.join(tmp, "nbdkit.log"), errors="replace").read()[-3000:])
@@ -165,7 +170,8 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    print(f"fill {args.fill} ({pages} pages), {args.reads} reads per phase, "
+    print(f"fill {args.fill} ({pages} pages), {args.reads} reads per phase in {args.rounds} "
+          f"interleaved rounds, "
           f"{args.scrapers} scrapers every {args.period} s; one full stats scan {scan * 1e3:.1f} ms")
     q50, q99, _ = results["quiet"]
     print(f"{'phase':10} {'p50 us':>8} {'p99 us':>8} {'p50 x':>6} {'p99 x':>6} {'scrapes':>8}")

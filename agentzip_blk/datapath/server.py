@@ -226,7 +226,8 @@ class Server:
             raise ValueError(f'"max_age" must be a number of seconds, 0-{MAX_STATS_AGE}')
         cached, age = self.store.cached_stats(float(max_age))
         stats = dict(cached)  # the snapshot is shared between replies
-        stats["snapshot"] = {"age_s": round(age, 3), "max_age_s": max_age}
+        stats["snapshot"] = {"age_s": round(age, 3), "max_age_s": max_age,
+                             "scan_ms": round(self.store.snapshots.scan_seconds * 1e3, 2)}
         stats["latency"] = self.latency.snapshot()
         stats["server"] = {
             "pid": os.getpid(),

@@ -224,6 +224,7 @@ class StatsCache:
         # pairs a new dict with an old time
         self._last: tuple[dict, float] | None = None
         self._read_at = float("-inf")  # the last read that took the snapshot as it was
+        self._scan_seconds = 0.0
 
     def get(self, max_age: float = 0.0) -> tuple[dict, float]:
         """A stats dict at most `max_age` seconds old (from the start of its scan), and its
@@ -240,17 +241,26 @@ class StatsCache:
                 return last[0], max(0.0, self._clock() - last[1])
             return self._refresh_locked(), 0.0
 
-    def refresh_if_read(self, within: float) -> bool:
-        """Refresh when a cached read came in the last `within` seconds: keeps a periodic
-        scraper's snapshot young without scanning for nobody."""
-        if self._clock() - self._read_at > within:
+    def refresh_if_read(self, within: float, older_than: float) -> bool:
+        """Refresh a snapshot older than `older_than` s when a cached read came in the last
+        `within` seconds: keeps a periodic scraper's snapshot young without scanning for
+        nobody, and without scanning more often than every `older_than` seconds."""
+        now = self._clock()
+        last = self._last
+        if now - self._read_at > within or (last is not None and now - last[1] < older_than):
             return False
         with self._refresh:
             self._refresh_locked()
         return True
 
+    @property
+    def scan_seconds(self) -> float:
+        """How long the last scan took (the store lock is held through it)."""
+        return self._scan_seconds
+
     def _refresh_locked(self) -> dict:
         taken = self._clock()
         snapshot = self._scan()
+        self._scan_seconds = self._clock() - taken
         self._last = (snapshot, taken)
         return snapshot

@@ -48,6 +48,9 @@ _TICK_REBASE = 1 << 31
 _FEW_PAGES = 8  # requests up to this many pages take the scalar read path
 _FRAME_CACHE_FRAMES = 8  # decompressed frames kept for the reads of their other pages
 _SNAPSHOT_READERS_WITHIN = 60.0  # s: the maintainer refreshes cached stats read this recently
+# s: and at most this often. The scan holds the store lock (~40 ms per 64Ki pages stored,
+# BENCHMARKS.md): at most once per 2 s however many scrapes come, instead of once per scrape.
+SNAPSHOT_REFRESH_EVERY = 2.0
 
 
 def _ticks(seconds: float) -> int:
@@ -456,7 +459,7 @@ class PageStore:
     def maintain(self) -> dict:
         result = self.tiers.maintain()
         # one scan per round, and only while someone reads the cached stats (a scraper)
-        self.snapshots.refresh_if_read(_SNAPSHOT_READERS_WITHIN)
+        self.snapshots.refresh_if_read(_SNAPSHOT_READERS_WITHIN, SNAPSHOT_REFRESH_EVERY)
         return result
 
     def meta_bytes(self) -> int:

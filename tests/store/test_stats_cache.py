@@ -76,13 +76,15 @@ def test_maintainer_refreshes_only_while_read():
     now = [0.0]
     scan = SlowScan(0.0)
     cache = StatsCache(scan, lambda: now[0])
-    assert not cache.refresh_if_read(60.0)  # nobody reads cached stats: no scan
+    assert not cache.refresh_if_read(60.0, 2.0)  # nobody reads cached stats: no scan
     assert scan.calls == 0
     cache.get(5.0)
-    now[0] += 10
-    assert cache.refresh_if_read(60.0) and scan.calls == 2
+    now[0] += 1
+    assert not cache.refresh_if_read(60.0, 2.0)  # young enough: no scan
+    now[0] += 9
+    assert cache.refresh_if_read(60.0, 2.0) and scan.calls == 2
     now[0] += 61
-    assert not cache.refresh_if_read(60.0)
+    assert not cache.refresh_if_read(60.0, 2.0)
 
 
 def test_store_snapshot_matches_the_exact_stats():
