@@ -11,9 +11,13 @@ import random
 
 import pytest
 import xxhash
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import invariant
 
 from agentzip_blk.store import PageStore
 from agentzip_blk.store.dedup import MAX_CANDIDATES, MAX_PROBE, DedupIndex, PageHasher
+
+from . import test_store
 
 PAGE = 4096
 DEVICE = 512 * PAGE
@@ -184,3 +188,45 @@ def test_dedup_off_from_config(tmp_path):
     assert on.stats()["unique_blobs"] == 1
     st.close()
     on.close()
+
+
+# -- the store model (tests/store/test_store.py) under forced collisions and with dedup off --
+
+_WEAK = PageHasher()
+
+
+def two_bit_hash(page) -> tuple[int, int]:
+    """The keyed hash cut to 2 bits: nearly every page collides with others."""
+    return _WEAK(page)[0] & (3 << 32), 0
+
+
+class CollidingStoreModel(test_store.StoreModel):
+    """The model's writes, reads, trims and maintenance with a hash that collides all the
+    time, in 3-page frames: every read still equals the model."""
+
+    UNIT_PAGES = 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.store = PageStore(test_store.DEVICE, max_size=64 << 20,
+                               frame_pages=self.UNIT_PAGES, hasher=two_bit_hash)
+
+
+class DedupOffStoreModel(test_store.StoreModel):
+    UNIT_PAGES = 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.store = PageStore(test_store.DEVICE, max_size=64 << 20,
+                               frame_pages=self.UNIT_PAGES, dedup=False)
+
+    @invariant()
+    def nothing_shared(self) -> None:
+        assert self.store.stats()["shared_pages"] == 0
+
+
+TestCollidingStoreModel = CollidingStoreModel.TestCase
+TestDedupOffStoreModel = DedupOffStoreModel.TestCase
+for _case in (TestCollidingStoreModel, TestDedupOffStoreModel):
+    _case.settings = settings(max_examples=40, stateful_step_count=40, deadline=None,
+                              suppress_health_check=[HealthCheck.too_slow])
