@@ -7,7 +7,8 @@ agent-like pages, then times random 4 KiB NBD reads one at a time in three phase
 run, interleaved in `--rounds` rounds (each round runs every phase for a slice of the reads):
 
 - ``quiet``: no scrapes (the reference);
-- ``exporter``: `--scrapers` threads each running the metrics exporter's fetch
+- ``exporter``: `--scrapers` threads (in a process of their own, as the exporter is) each
+  running the metrics exporter's fetch
   (fleet.metrics.control_stats: health, then `stats` with max_age, the cached snapshot) back
   to back, while the reads run;
 - ``fresh``: the same threads sending plain `stats` (a snapshot taken after each request,
@@ -19,6 +20,7 @@ Prints p50/p99 per phase and the ratio to ``quiet``, and the scrapes answered.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import random
 import signal
@@ -84,27 +86,38 @@ def timed_reads(h, pages: int, reads: int, seed: int) -> list[float]:
     return out
 
 
-def storm(scrapers: int, fetch, stop: threading.Event, answered: list[int],
-          period: float) -> tuple[list[threading.Thread], threading.Barrier]:
-    """`scrapers` threads that each scrape once per `period` seconds, all at the same time
-    (a burst of `scrapers` concurrent requests each period); period 0: back to back."""
+def _scrape_fn(kind: str, ctl: str):
+    if kind == "exporter":
+        return control_stats(ctl)
+    return lambda: control.request(ctl, "stats", timeout=120)
+
+
+def _storm_process(kind: str, ctl: str, scrapers: int, period: float, stop, answered) -> None:
+    """In a process of its own, as the exporter is: `scrapers` threads that each scrape
+    once per `period` seconds, all at the same time (a burst of `scrapers` concurrent
+    requests each period); period 0: back to back."""
+    fetch = _scrape_fn(kind, ctl)
     go = threading.Barrier(scrapers)
 
     def loop() -> None:
         while not stop.is_set():
             try:
-                go.wait()
+                go.wait(timeout=period + 5)
             except threading.BrokenBarrierError:
                 return
             t0 = time.monotonic()
             fetch()
-            answered[0] += 1
+            with answered.get_lock():
+                answered.value += 1
             stop.wait(max(0.0, period - (time.monotonic() - t0)))
 
     threads = [threading.Thread(target=loop, daemon=True) for _ in range(scrapers)]
     for t in threads:
         t.start()
-    return threads, go
+    stop.wait()
+    go.abort()
+    for t in threads:
+        t.join(120)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -138,27 +151,27 @@ def main() -> int:
             control.request(ctl, "stats", timeout=120)
             scan = time.perf_counter() - t0
             timed_reads(h, pages, args.reads // args.rounds, seed=99)  # warm up
-            phases = [("quiet", None),
-                      ("exporter", control_stats(ctl)),
-                      ("fresh", lambda: control.request(ctl, "stats", timeout=120))]
-            lat: dict[str, list[float]] = {name: [] for name, _ in phases}
-            answered = {name: [0] for name, _ in phases}
+            phases = ["quiet", "exporter", "fresh"]
+            lat: dict[str, list[float]] = {name: [] for name in phases}
+            answered = {name: multiprocessing.Value("i", 0) for name in phases}
             # Interleaved: every round runs each phase for a slice of the reads, so that the
             # drift of a shared machine lands on all phases alike.
             for r in range(args.rounds):
-                for n, (name, fetch) in enumerate(phases):
-                    stop, threads, go = threading.Event(), [], None
-                    if fetch is not None:
-                        threads, go = storm(args.scrapers, fetch, stop, answered[name],
-                                            args.period)  # the first burst comes now
+                for n, name in enumerate(phases):
+                    stop, proc_storm = multiprocessing.Event(), None
+                    if name != "quiet":
+                        proc_storm = multiprocessing.Process(
+                            target=_storm_process,
+                            args=(name, ctl, args.scrapers, args.period, stop, answered[name]))
+                        proc_storm.start()
+                        time.sleep(0.3)  # the threads up; the first burst comes then
                     lat[name] += timed_reads(h, pages, args.reads // args.rounds,
                                              seed=r * 10 + n)
                     stop.set()
-                    if go is not None:
-                        go.abort()
-                    for t in threads:
-                        t.join(120)
-            results = {name: (pct(v, 50), pct(v, 99), answered[name][0]) for name, v in lat.items()}
+                    if proc_storm is not None:
+                        proc_storm.join(120)
+            results = {name: (pct(v, 50), pct(v, 99), answered[name].value)
+                       for name, v in lat.items()}
             h.shutdown()
         except BaseException:
             print(open(os.path.join(tmp, "nbdkit.log"), errors="replace").read()[-3000:])
