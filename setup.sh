@@ -1,14 +1,26 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine (run as root):
 #   ./setup.sh demo   install what is missing, then run the demo
-#   ./setup.sh test   install what is missing, then run the test suite
+#   ./setup.sh test   install what is missing for the tests and benchmarks too, then run the suite
 set -euo pipefail
 cd "$(dirname "$0")"
 
-APT_PACKAGES=(nbdkit nbdkit-plugin-python libnbd-bin python3-libnbd fuse3 python3-venv util-linux
+# What the demo needs: the server (nbdkit + its Python plugin), the FUSE front door's
+# fusermount3, losetup/mkswap/swapon (util-linux, mount) and a venv from Debian's python3.
+APT_PACKAGES=(nbdkit nbdkit-plugin-python fuse3 python3-venv util-linux mount
+              python3-cryptography)  # the disk tier's AES-GCM, importable by nbdkit's embedded libpython
+# What the tests and the benchmarks need on top (./setup.sh test)
+APT_TEST_PACKAGES=(libnbd-bin python3-libnbd  # nbdfuse (the nbdfuse front door), the tests' NBD client
               chromium nodejs  # chromium, nodejs: tests/test_workloads.py runs workloads C and D
-              fio stress-ng gcc libfuse3-dev  # tests/reliability: fio, stress-ng, failfs (FUSE)
-              systemd openssl)  # test_systemd_units: systemd-analyze verify (no PID 1 needed); test_k8s: TLS cert
+              fio stress-ng gcc libfuse3-dev  # tests/reliability: fio, stress-ng, failfs (FUSE); gcc: the mlock shim
+              systemd openssl  # test_systemd_units: systemd-analyze verify (no PID 1 needed); test_k8s: TLS cert
+              lintian groff-base man-db)  # tests/test_deb.py: lintian on the .deb, its man page rendered
+# tests/test_deb.py: the packaged CLI runs on Debian's python3-* (the .deb's Depends). Installed
+# after the venv: the venv sees the system's packages (for python3-libnbd), and pip takes a
+# Debian package that meets a floor as installed; so on a fresh machine the venv gets PyPI's
+# versions, as before, and these serve /usr/bin/python3 only.
+APT_DEB_TEST_PACKAGES=(python3-numpy python3-yaml python3-ruamel.yaml python3-prometheus-client
+                       python3-sortedcontainers python3-lz4 python3-xxhash)
 VENV=.venv
 
 need_root() {
@@ -20,7 +32,7 @@ need_root() {
 
 install_debian_packages() {
     local missing=()
-    for pkg in "${APT_PACKAGES[@]}"; do
+    for pkg in "$@"; do
         dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
     done
     if [ ${#missing[@]} -gt 0 ]; then
@@ -37,15 +49,25 @@ install_venv() {
         rm -rf "$VENV"
         /usr/bin/python3 -m venv --system-site-packages "$VENV"
     fi
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test,bench]"
+    # $1: the extras (demo: none; test: the suite, the benchmarks, the .deb build)
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".${1:-}"
 }
 
-need_root
-install_debian_packages
-install_venv
+build_mlock_shim() {
+    # nbdfuse's preload shim, built once here (the .deb ships its own) instead of by `up`;
+    # rebuilt every run, so that it always matches host/chain.py. Without cc `up` compiles it
+    # itself if it can, or says why it cannot.
+    if command -v cc >/dev/null; then
+        "$VENV/bin/python" -m agentzip_blk.host.chain agentzip_blk/host/libagentzip-mlock.so >/dev/null
+    fi
+}
 
 case "${1:-}" in
-    demo) shift; exec "$VENV/bin/agentzip-blk" demo "$@" ;;
-    test) shift; exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@" ;;
+    demo) need_root; install_debian_packages "${APT_PACKAGES[@]}"; install_venv
+          build_mlock_shim; shift; exec "$VENV/bin/agentzip-blk" demo "$@" ;;
+    test) need_root; install_debian_packages "${APT_PACKAGES[@]}" "${APT_TEST_PACKAGES[@]}"
+          install_venv "[test,bench,package]"; install_debian_packages "${APT_DEB_TEST_PACKAGES[@]}"
+          build_mlock_shim
+          shift; exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@" ;;
     *) echo "usage: $0 demo|test [args...]" >&2; exit 2 ;;
 esac

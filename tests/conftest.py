@@ -6,12 +6,15 @@ import fcntl
 import os
 import sys
 
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+import swaplock  # noqa: E402  (tools/swaplock.py: the lock's one implementation)
+
 
 # Swap areas are host-wide: two test runs that attach devices at the same time share them
 # (the kernel spreads every cgroup's pages over all areas of the top priority), so one run's
 # kill or squeeze lands on the other's workloads. Every test that may attach swap holds this
 # lock, shared with the benchmark tools (tools/ take it too), until the session ends.
-SWAP_LOCK_PATH = "/tmp/agentzip-swap.lock"  # the lock docs/CONTRIBUTING-AGENTS.md names
+SWAP_LOCK_PATH = swaplock.SWAP_LOCK  # the lock docs/CONTRIBUTING-AGENTS.md names
 _SWAP_FILES = ("test_device.py", "test_doctor.py", "test_metrics_swap.py", "test_scoped_swap.py",
                "test_swap.py", "test_workloads.py", "test_cgstats.py", "test_protection.py",
                "test_swap_stress.py", "test_cli_survival.py")
@@ -20,8 +23,8 @@ _swap_lock_fd: int | None = None
 
 def _hold_swap_lock() -> None:
     global _swap_lock_fd
-    if _swap_lock_fd is not None or os.geteuid() != 0:
-        return
+    if _swap_lock_fd is not None or os.geteuid() != 0 or swaplock.held_by_ancestor(SWAP_LOCK_PATH):
+        return  # under `flock LOCK pytest ...` the lock is already ours: taking it again would wait
     os.makedirs(os.path.dirname(SWAP_LOCK_PATH), exist_ok=True)
     fd = os.open(SWAP_LOCK_PATH, os.O_RDWR | os.O_CREAT, 0o600)
     try:

@@ -30,6 +30,8 @@ RUNTIME_FILES = [
     "agentzip_blk/demo/scripts/pagewalk.py",
     "agentzip_blk/fleet/units/agentzip-blk.service",  # systemd units
     "agentzip_blk/fleet/units/agentzip-blk-metrics.service",
+    "agentzip_blk/fleet/units/agentzip-blk-health.service",  # the watchdog and its timer
+    "agentzip_blk/fleet/units/agentzip-blk-health.timer",
     "agentzip_blk/fleet/units/agent-sandbox.slice",
     "agentzip_blk/fleet/units/agent-sandbox-.slice.d/50-agentzip.conf",
     "agentzip_blk/datapath/nbdkit_plugin.py",  # the plugin nbdkit loads

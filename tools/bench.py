@@ -116,7 +116,8 @@ def swap_configs(with_dictionaries: bool) -> list[SwapConfig]:
            SwapConfig("agentzip-unit16", "agentzip", "zstd", 3, "none", 16),
            SwapConfig("agentzip-lz4-unit16", "agentzip", "lz4", 1, "none", 16)]
     if with_dictionaries:
-        out += [SwapConfig("agentzip-zstd3-dict", "agentzip", "zstd", 3, "prebuilt", 1),
+        out += [SwapConfig("agentzip-unit16-prebuilt", "agentzip", "zstd", 3, "prebuilt", 16),
+                SwapConfig("agentzip-zstd3-dict", "agentzip", "zstd", 3, "prebuilt", 1),
                 SwapConfig("agentzip-zstd9-dict", "agentzip", "zstd", 9, "prebuilt", 1)]
     return out
 

@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import fcntl
 import json
 import math
 import os
@@ -68,9 +67,9 @@ for _p in (REPO, TOOLS):
         sys.path.insert(0, _p)
 
 from benchmd import replace_block  # noqa: E402
+from swaplock import SWAP_LOCK, swap_lock  # noqa: E402
 
 BEGIN, END = "<!-- bench_density:begin -->", "<!-- bench_density:end -->"
-SWAP_LOCK = "/tmp/agentzip-swap.lock"
 MiB = 1 << 20
 GiB = 1 << 30
 TICK = os.sysconf("SC_CLK_TCK")
@@ -164,53 +163,6 @@ def pct(values: list[float], p: float) -> float | None:
         return None
     s = sorted(values)
     return s[min(len(s) - 1, max(0, math.ceil(p / 100 * len(s)) - 1))]
-
-
-# ---------------------------------------------------------------------------------------
-# the swap lock
-
-
-def _lock_held_by_ancestor(path: str) -> bool:
-    """A process above us (``flock LOCK tools/bench_density.py``, pytest) holds the flock."""
-    try:
-        ino = str(os.stat(path).st_ino)
-        with open("/proc/locks") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return False
-    holders = {int(p[4]) for p in (line.split() for line in lines)
-               if len(p) >= 6 and p[1] == "FLOCK" and p[5].rsplit(":", 1)[-1] == ino}
-    pid = os.getppid()
-    while pid > 1:
-        if pid in holders:
-            return True
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                pid = int(f.read().rpartition(")")[2].split()[1])
-        except (OSError, ValueError, IndexError):
-            return False
-    return False
-
-
-@contextlib.contextmanager
-def swap_lock(path: str = SWAP_LOCK):
-    if _lock_held_by_ancestor(path):
-        yield 0.0
-        return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    waited = 0.0
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log(f"waiting for {path} (another run has swap attached or squeezes cgroups)")
-            t = time.monotonic()
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            waited = time.monotonic() - t
-            log(f"got {path} after {waited:.0f}s")
-        yield waited
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------------------------------
@@ -1084,7 +1036,7 @@ def main(argv=None) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        with swap_lock() as waited:
+        with swap_lock(log) as waited:
             doc["lock_wait_s"] = round(waited, 1)
             t0 = time.monotonic()  # the run's wall time starts once the lock is ours
             bench = Bench(opts, tmp)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import array
-import fcntl
 import json
 import os
 import random
@@ -37,12 +36,12 @@ import time
 import zlib
 
 from benchmd import replace_block
+from swaplock import swap_lock
 from agentzip_blk import procfs
 from agentzip_blk.host import attach, runstate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN, END = "<!-- load:begin -->", "<!-- load:end -->"
-SWAP_LOCK = "/tmp/agentzip-swap.lock"
 CHUNK = 64 * 1024
 MiB = 1 << 20
 
@@ -457,9 +456,7 @@ def main(argv=None) -> int:
     if os.geteuid() != 0:
         log("must run as root (swap, cgroups)")
         return 2
-    log(f"waiting for {SWAP_LOCK}")
-    with open(SWAP_LOCK, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with swap_lock(log):
         res = run(args)
     res["warmup"] = args.warmup
     os.makedirs(os.path.dirname(args.json), exist_ok=True)

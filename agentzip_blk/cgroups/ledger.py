@@ -4,29 +4,107 @@
    covers any more, and ``down`` restores everything. A cgroup removed meanwhile is dropped;
    one removed and re-created under the same name (another inode) is left alone.
    ``RUN/cgroup-settings.lock`` (flock) serialises the tuner and the CLI.
+
+   The ledger is a file, and a file is not root's instruction: a path in it is written (at
+   the first write and at every restore) only when its name is one of the cgroup files the
+   tuner writes (CGROUP_FILES) and the file, opened O_WRONLY|O_NOFOLLOW without O_CREAT or
+   O_TRUNC, lies on a cgroup file system (fstatfs magic). Anything else is refused with a
+   logged error and never written; a refused entry leaves the ledger.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import errno
 import fcntl
 import json
+import logging
 import os
+import stat
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Iterator
 
 from ..config import ConfigError, Scope
-from .fs import read_file, write_file
+from ..errors import SetupError
+from .fs import read_file
 from .scopes import covered
 
 __all__ = ["Ledger", "LedgerEntry", "RestoreReport", "LEDGER_FILE", "release_unscoped",
-           "release_all"]
+           "release_all", "CGROUP_FILES", "NotACgroupFile", "write_cgroup_file",
+           "fs_magic"]
 
 LEDGER_FILE = "cgroup-settings.json"
 LEDGER_LOCK = "cgroup-settings.lock"
+
+log = logging.getLogger(__name__)
+
+# Every cgroup file the tuner and the backends write through the ledger (cgroups.backends,
+# cgroups.fs): v2 then v1. A ledger entry with another name is refused.
+CGROUP_FILES = frozenset({
+    "memory.high", "memory.max", "memory.low", "memory.swap.max", "memory.reclaim",
+    "memory.limit_in_bytes", "memory.memsw.limit_in_bytes", "memory.soft_limit_in_bytes",
+    "memory.swappiness",
+})
+
+CGROUP_SUPER_MAGIC = 0x27E0EB  # cgroup v1 (linux/magic.h)
+CGROUP2_SUPER_MAGIC = 0x63677270  # cgroup v2
+CGROUP_MAGICS = (CGROUP_SUPER_MAGIC, CGROUP2_SUPER_MAGIC)
+
+
+class NotACgroupFile(OSError):
+    """A ledger path that is not a known cgroup file on cgroupfs: never written."""
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.fstatfs.argtypes = [ctypes.c_int, ctypes.c_void_p]
+_libc.fstatfs.restype = ctypes.c_int
+
+
+def fs_magic(fd: int) -> int:
+    """f_type of the file system ``fd`` lies on (fstatfs(2); Python has no binding). f_type
+    is the first member of struct statfs, a long (__fsword_t) on Linux."""
+    buf = ctypes.create_string_buffer(256)  # sizeof(struct statfs) is 120 on 64-bit Linux
+    if _libc.fstatfs(fd, buf) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF
+
+
+def write_cgroup_file(path: str, value: str, fake: bool = False) -> None:
+    """Write ``value`` in one write() to the cgroup file ``path``, only when it is one: a
+    known name (CGROUP_FILES), not a symbolic link, on cgroupfs. ``fake`` (test trees of
+    plain files): created when missing, and the file system is not checked."""
+    name = os.path.basename(path)
+    if name not in CGROUP_FILES:
+        raise NotACgroupFile(errno.EPERM, f"{name!r} is not a cgroup file the tuner writes",
+                             path)
+    flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY
+    if fake:
+        flags |= os.O_CREAT | os.O_TRUNC
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise NotACgroupFile(errno.ELOOP, "a symbolic link, not a cgroup file", path) from None
+        raise
+    try:
+        if not fake:
+            st = os.fstat(fd)
+            magic = fs_magic(fd)
+            if not stat.S_ISREG(st.st_mode) or magic not in CGROUP_MAGICS:
+                raise NotACgroupFile(errno.EPERM, f"not on a cgroup file system (magic "
+                                     f"{magic:#x})", path)
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
+def _open_private(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
 
 
 @dataclass
@@ -87,8 +165,8 @@ class Ledger:
     def locked(self) -> Iterator["Ledger"]:
         with self._mutex:
             if self._depth == 0:
-                os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
-                self._fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o600)
+                _check_run_dir(self.run_dir)
+                self._fd = _open_private(self.lock_file, os.O_RDWR | os.O_CREAT)
                 fcntl.flock(self._fd, fcntl.LOCK_EX)
                 self._load()
             self._depth += 1
@@ -102,7 +180,7 @@ class Ledger:
 
     def _load(self) -> None:
         try:
-            with open(self.file, encoding="utf-8") as f:
+            with os.fdopen(_open_private(self.file, os.O_RDONLY), encoding="utf-8") as f:
                 data = json.load(f)
         except FileNotFoundError:
             self._entries = {}
@@ -110,9 +188,12 @@ class Ledger:
         except (OSError, ValueError) as e:
             raise ConfigError(f"cannot read the cgroup ledger {self.file}: {e}") from None
         self._entries = {}
-        for raw in data.get("entries", []):
-            e = LedgerEntry(**raw)
-            self._entries[e.path] = e
+        try:
+            for raw in data.get("entries", []):
+                e = LedgerEntry(**raw)
+                self._entries[e.path] = e
+        except (TypeError, AttributeError) as e:
+            raise ConfigError(f"cannot read the cgroup ledger {self.file}: {e}") from None
 
     def _save(self) -> None:
         if not self._entries:
@@ -120,7 +201,8 @@ class Ledger:
                 os.unlink(self.file)
             return
         tmp = self.file + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
+        fd = _open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump({"entries": [asdict(e) for e in self._entries.values()]}, f, indent=1)
             f.write("\n")
             f.flush()
@@ -150,13 +232,16 @@ class Ledger:
 
     def write(self, path: str, value: str, *, transient: bool = False) -> None:
         with self.locked():
+            if os.path.basename(path) not in CGROUP_FILES:
+                # refused before it is read or recorded (write_cgroup_file checks the rest)
+                raise NotACgroupFile(errno.EPERM, "not a cgroup file the tuner writes", path)
             if not transient and path not in self._entries:
                 cgdir = os.path.dirname(path)
                 original = read_file(path).strip()
                 self._entries[path] = LedgerEntry(path=path, cgroup=self.rel_of(cgdir),
                                                   original=original, ino=_ino(cgdir))
                 self._save()  # write-ahead: recorded before the file changes
-            write_file(path, value, self.fake)
+            write_cgroup_file(path, value, self.fake)
             if not transient:
                 self._entries[path].last = value
                 self._save()
@@ -184,7 +269,15 @@ class Ledger:
                         progress = True
                         continue
                     try:
-                        write_file(e.path, e.original, self.fake)
+                        write_cgroup_file(e.path, e.original, self.fake)
+                    except NotACgroupFile as exc:
+                        # a planted or corrupted entry: never written, and dropped
+                        log.error("cgroup ledger %s: refused %s: %s", self.file, e.path,
+                                  exc.strerror)
+                        report.failed.append((e, f"refused: {exc.strerror}"))
+                        del self._entries[e.path]
+                        progress = True
+                        continue
                     except OSError as exc:
                         if exc.errno == errno.ENOENT and not os.path.isdir(cgdir):
                             report.gone.append(e)
@@ -199,10 +292,23 @@ class Ledger:
                     progress = True
                 self._save()
                 if not progress:
-                    report.failed = [(e, errors.get(e.path, "?")) for e in left]
+                    report.failed += [(e, errors.get(e.path, "?")) for e in left]
                     break
                 todo = left
         return report
+
+
+def _check_run_dir(run_dir: str) -> None:
+    """The ledger's directory is root's run directory (host.rundir checks it fully at
+    up/down): created 0700 when missing, never a symbolic link or another uid's."""
+    os.makedirs(run_dir, mode=0o700, exist_ok=True)
+    st = os.lstat(run_dir)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise SetupError(f"run directory {run_dir} is not a directory (a symbolic link?): "
+                         f"refusing it")
+    if st.st_uid != os.geteuid():
+        raise SetupError(f"run directory {run_dir} is owned by uid {st.st_uid}, not by us: "
+                         f"refusing it")
 
 
 def _ino(path: str) -> int | None:

@@ -23,7 +23,8 @@ def cmd_doctor(args) -> int:
         config_error = None
     run_dir = run_dir_of(args, config) if config is not None else (args.run_dir or "/run/agentzip")
     checks = doctor.diagnose(doctor.gather(run_dir, config, root=args.cgroup_root or "/",
-                                          config_path=args.config))
+                                          config_path=args.config,
+                                          kubelet_config=args.kubelet_config))
     if config_error:
         checks.append(doctor.Check("config", doctor.FAIL, config_error, "fix the named key"))
     if args.json:
@@ -39,4 +40,7 @@ def register(sub) -> None:
     s = sub.add_parser("doctor", help="check the host: kernel, cgroups, swap, zswap, attach path")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--cgroup-root", help=argparse.SUPPRESS)
+    s.add_argument("--kubelet-config", metavar="PATH", default="/var/lib/kubelet/config.yaml",
+                   help="the kubelet's config file, for its swap settings "
+                        "(default /var/lib/kubelet/config.yaml; absent: not a Kubernetes node)")
     s.set_defaults(func=cmd_doctor)

@@ -38,7 +38,10 @@ def _release(args, run_dir: str) -> str:
         def rel_of(e):
             d = e.path.rsplit("/", 1)[0]
             return backend.rel_of(d) if d.startswith(mount) or d == backend.mount else e.cgroup
-    report = ledger.release_unscoped(run_dir, scopes.list_scopes(args.config), rel_of=rel_of)
+    # a --cgroup-root tree is a fake one of plain files (as in `tune`): not on cgroupfs
+    fake = (args.cgroup_root or "/") != "/"
+    report = ledger.release_unscoped(run_dir, scopes.list_scopes(args.config), fake=fake,
+                                     rel_of=rel_of)
     if not (report.restored or report.gone or report.failed):
         return ""
     cgs = sorted({e.cgroup for e in report.restored})

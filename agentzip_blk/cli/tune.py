@@ -24,7 +24,8 @@ def _settings(args, config):
     target = args.pressure_target / 100.0 if args.pressure_target is not None else None
     s = TunerSettings.from_config(config, interval=args.interval, floor=floor, mode=args.mode,
                                   max_probe=args.max_probe, pressure_target=target,
-                                  grace=args.grace, hold=args.hold, fault_cost_us=args.fault_cost_us)
+                                  grace=args.grace, hold=args.hold, fault_cost_us=args.fault_cost_us,
+                                  pod_swap_max=args.pod_swap_max or None)
     try:
         s.check()
     except ValueError as e:
@@ -172,6 +173,9 @@ def register(sub) -> None:
     s.add_argument("--steps", type=int, metavar="N", help="stop after N decisions per cgroup")
     s.add_argument("--keep", action="store_true",
                    help="on exit keep the settings (down restores them) instead of restoring")
+    s.add_argument("--pod-swap-max", action="store_true",
+                   help="also write memory.swap.max = max on kubelet Pod cgroups (kubepods*), "
+                        "which the kubelet's memorySwap.swapBehavior manages otherwise")
     s.add_argument("--cgroup-root", help=argparse.SUPPRESS)  # tests: fake cgroupfs tree
     s.add_argument("--without-device", action="store_true", help=argparse.SUPPRESS)
     s.set_defaults(func=cmd_tune)

@@ -106,33 +106,74 @@ class ZstdCodec(Codec):
         return self._cctx.memory_size() + self._dctx.memory_size()
 
 
-class ZstdDictCodec(ZstdCodec):
-    """zstd with a raw-content dictionary (shares the ZSTD codec id; the store records the
-    dictionary id per blob next to it).
+DICT_KINDS = ("raw", "full")  # raw content only / a trained dictionary with entropy tables
 
-    Raw content, not a trained dictionary with entropy tables: on 4 KiB pages the tables
-    made heaps worse (docs/ARCHITECTURE.md, measured again in tools/dicts/train.py), while the content
-    alone gives zstd earlier matches. The dictionary is digested once (precompute_compress)
-    and both contexts are reused: loading it per page costs more than compressing.
+
+def _dict_data(content: bytes, kind: str) -> zstandard.ZstdCompressionDict:
+    if kind not in DICT_KINDS:
+        raise ValueError(f"dictionary kind {kind!r} (raw, full)")
+    dict_type = zstandard.DICT_TYPE_RAWCONTENT if kind == "raw" else zstandard.DICT_TYPE_FULLDICT
+    return zstandard.ZstdCompressionDict(content, dict_type=dict_type)
+
+
+class ZstdDictCodec(ZstdCodec):
+    """zstd with a dictionary (shares the ZSTD codec id; the store records the dictionary
+    id per blob next to it), for pages (`page_size` 4 KiB) or frames (`page_size` the frame's
+    size: zstd sizes its window and tables from it).
+
+    `kind` "raw": raw content, which gives zstd earlier matches; on 4 KiB pages the entropy
+    tables of a trained dictionary made heaps worse (docs/ARCHITECTURE.md, measured again in
+    tools/dicts/train.py). "full": a trained dictionary, content and entropy tables (on
+    16-page frames zstd builds its own tables and the two kinds measure the same:
+    tools/bench_dicts.py). The dictionary is digested once (precompute_compress) and both
+    contexts are reused: loading it per page costs more than compressing.
     """
 
-    def __init__(self, content: bytes, level: int = 3, page_size: int = 4096) -> None:
-        super().__init__(level, page_size)
-        self.content = bytes(content)
+    def __init__(self, content: bytes, level: int = 3, page_size: int = 4096,
+                 kind: str = "raw", shared: ZstdDictCodec | None = None) -> None:
+        """`shared`: another codec of the same dictionary and sizes whose digested
+        dictionary this one uses too (a pool's contexts: the tables are read-only, and for
+        a frame they are ~1 MiB); such a codec compresses only (the first one decodes)."""
+        ZstdCodec.__init__(self, level, page_size)
+        self.content = bytes(content) if shared is None else shared.content
+        self.kind = kind
         params = _page_params(level, page_size)
-        cdict = zstandard.ZstdCompressionDict(self.content, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
-        cdict.precompute_compress(compression_params=params)
+        if shared is None:
+            cdict = _dict_data(self.content, kind)
+            cdict.precompute_compress(compression_params=params)
+            self._dctx = zstandard.ZstdDecompressor(dict_data=_dict_data(self.content, kind),
+                                                    format=zstandard.FORMAT_ZSTD1_MAGICLESS)
+            # The digested dictionary's match tables (zstd sizes them from these parameters;
+            # python-zstandard has no accessor for a CDict's size) + its copy of the content.
+            self._cdict_bytes = (4 * ((1 << params.hash_log) + (1 << params.chain_log))
+                                 + len(self.content))
+        else:
+            cdict = shared._cdict
+            self._dctx = None
+            self._cdict_bytes = 0
         self._cctx = zstandard.ZstdCompressor(dict_data=cdict, compression_params=params)
-        ddict = zstandard.ZstdCompressionDict(self.content, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
-        self._dctx = zstandard.ZstdDecompressor(dict_data=ddict, format=zstandard.FORMAT_ZSTD1_MAGICLESS)
         self._cdict = cdict
-        # The digested dictionary's match tables (zstd sizes them from these parameters;
-        # python-zstandard has no accessor for a CDict's size) + its copy of the content.
-        self._cdict_bytes = 4 * ((1 << params.hash_log) + (1 << params.chain_log)) + len(self.content)
+
+    def decompress(self, data, size: int | None = None) -> bytes:
+        if self._dctx is None:
+            raise CodecError("a pooled dictionary context does not decode")
+        return super().decompress(data, size)
 
     def memory_bytes(self) -> int:
         # contexts + the digested dictionary + the decoder's and our copies of the content
+        if self._dctx is None:
+            return self._cctx.memory_size()
         return super().memory_bytes() + self._cdict_bytes + 2 * len(self.content)
+
+
+def trial_compress(content: bytes, kind: str, level: int, size: int, data) -> bytes:
+    """`data` compressed as a ZstdDictCodec(content, level, size, kind) would (decodable by
+    one), with a context made for this call and dropped after it: a selection trial of a
+    dictionary that no request has chosen yet, which must leave nothing behind (its
+    digested tables are what a loaded dictionary costs)."""
+    cctx = zstandard.ZstdCompressor(dict_data=_dict_data(content, kind),
+                                    compression_params=_page_params(level, size))
+    return cctx.compress(data)
 
 
 class Lz4Codec(Codec):

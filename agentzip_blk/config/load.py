@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import grp
 import os
 import re
 from collections.abc import Collection, Mapping
@@ -184,7 +185,9 @@ def _parse_pool(value: Any) -> PoolConfig:
         max_size=_size(data.get("max_size", d.max_size), "pool.max_size"),
         reclaim_threshold=_int(data.get("reclaim_threshold", d.reclaim_threshold),
                                "pool.reclaim_threshold", 1, 100, "1-100 percent"),
-        swap_out_path=_abs_path(data.get("swap_out_path", d.swap_out_path), "pool.swap_out_path"),
+        # null: no disk tier (nothing of the sandboxes' memory is ever written to disk)
+        swap_out_path=(None if data.get("swap_out_path", d.swap_out_path) is None else
+                       _abs_path(data.get("swap_out_path", d.swap_out_path), "pool.swap_out_path")),
         swap_out_max_size=_size(data.get("swap_out_max_size", d.swap_out_max_size),
                                 "pool.swap_out_max_size", minimum=0),
         defrag=_bool(data.get("defrag", d.defrag), "pool.defrag"),
@@ -250,7 +253,26 @@ def _parse_device(value: Any) -> DeviceConfig:
         run_dir=_abs_path(data.get("run_dir", d.run_dir), "device.run_dir"),
         rotational=_bool(data.get("rotational", d.rotational), "device.rotational"),
         frontend=_frontend(data.get("frontend", d.frontend)),
+        control_group=_group(data.get("control_group", d.control_group), "device.control_group"),
     )
+
+
+_GROUP_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")
+
+
+def _group(value: Any, key: str) -> str | None:
+    """A group name that exists on this host (it is resolved to a gid at start), or null."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _GROUP_NAME.fullmatch(value):
+        raise ConfigError(f"{key}: {value!r} is not a group name (letters, digits, _ . -; "
+                          f"null for root only)")
+    try:
+        grp.getgrnam(value)
+    except KeyError:
+        raise ConfigError(f"{key}: no group {value!r} on this host (getent group {value}); "
+                          f"create it or set null for root only") from None
+    return value
 
 
 def _frontend(value: Any) -> str:

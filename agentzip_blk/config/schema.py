@@ -48,7 +48,9 @@ class CompressionConfig:
 class PoolConfig:
     max_size: int = 8 << 30
     reclaim_threshold: int = 80  # percent of max_size
-    swap_out_path: str = "/var/lib/agentzip/swapfile"
+    # the disk tier's file (AEAD-encrypted, recreated empty at start); None (null): no tier,
+    # a full pool answers ENOSPC and the kernel keeps the page
+    swap_out_path: str | None = "/var/lib/agentzip/swapfile"
     swap_out_max_size: int = 0  # bytes of disk tier; 0 = as much as the filesystem holds
     defrag: bool = True
 
@@ -85,6 +87,10 @@ class DeviceConfig:
     # served by FUSE from the server process itself ("fuse"), or by nbdfuse over NBD
     # ("nbdfuse", the old chain, kept for comparison). auto: nbd where /dev/nbd0 exists.
     frontend: str = "auto"
+    # A group whose members may use the read-only control verbs on control.sock
+    # (datapath.server.READ_ONLY_VERBS), e.g. a metrics exporter that is not root.
+    # None: root only. nbd.sock stays root's alone whatever this says.
+    control_group: str | None = None
 
 
 FRONTENDS = ("auto", "fuse", "nbdfuse", "nbd")

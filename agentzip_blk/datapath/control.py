@@ -5,17 +5,27 @@ Reply    {"ok": true, ...}  or  {"ok": false, "error": "..."}
 
 The server runs in a daemon thread inside the nbdkit plugin. Each client gets its own
 short-lived thread; a handler that raises answers with an error and the server goes on.
+
+Who may ask: the file mode (0600 root; 0660 and the control group when one is configured)
+is only the first gate. Every connection's peer is checked with SO_PEERCRED (uid, gid) and
+SO_PEERGROUPS (supplementary groups), as the kernel recorded them at connect(): root (our
+own uid) may use every verb; a member of the control group only the read-only verbs; anyone
+else gets one "permission denied" reply and the connection is closed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import stat
+import struct
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 
 MAX_LINE = 64 * 1024
 CLIENT_TIMEOUT = 10.0
@@ -27,10 +37,47 @@ class ControlError(Exception):
     """The server could not be reached or answered with an error."""
 
 
+# SO_PEERGROUPS (Linux >= 4.13); the socket module names it only on newer Pythons
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+@dataclass(frozen=True)
+class Peer:
+    """The credentials of a connected client, as the kernel recorded them at connect()."""
+    pid: int
+    uid: int
+    gid: int
+    groups: tuple[int, ...] = ()
+
+
+def peer_of(conn: socket.socket) -> Peer:
+    pid, uid, gid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                  _UCRED.size))
+    groups: tuple[int, ...] = ()
+    try:
+        raw = conn.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * 256)
+        groups = struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4])
+    except OSError:
+        pass  # older kernel or more than 256 groups: the primary gid still counts
+    return Peer(pid, uid, gid, tuple(groups))
+
+
+# what a peer may do: every verb, the read-only ones, nothing
+ALL, READ, NONE = "all", "read", "none"
+
+
 class ControlServer:
-    def __init__(self, path: str, handlers: dict[str, Handler]) -> None:
+    def __init__(self, path: str, handlers: dict[str, Handler], *,
+                 read_only: Collection[str] = (), group_gid: int | None = None) -> None:
+        """``read_only``: the verbs a member of ``group_gid`` may use (none without a
+        group). Root, i.e. our own uid, may use all of ``handlers``."""
         self.path = path
         self.handlers = handlers
+        self.read_only = frozenset(read_only)
+        self.group_gid = group_gid
+        self.owner_uid = os.geteuid()
+        self.refused = 0  # connections and requests refused by the peer check
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -47,8 +94,15 @@ class ControlServer:
             sock.bind(self.path)
         finally:
             os.umask(old_umask)
-        os.chmod(self.path, 0o600)
+        # listen at once: `up` connects as soon as the file exists (a connect between bind
+        # and listen is refused)
         sock.listen(16)
+        if self.group_gid is not None:
+            # the group may connect (its members' requests are still checked per verb)
+            os.chown(self.path, -1, self.group_gid)
+            os.chmod(self.path, 0o660)
+        else:
+            os.chmod(self.path, 0o600)
         self._sock = sock
         self._thread = threading.Thread(target=self._accept_loop, name="agentzip-control", daemon=True)
         self._thread.start()
@@ -74,9 +128,41 @@ class ControlServer:
                 return
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
+    def access(self, peer: Peer) -> str:
+        """ALL for root (our uid), READ for a member of the control group, else NONE."""
+        if peer.uid == self.owner_uid:
+            return ALL
+        if self.group_gid is not None and (peer.gid == self.group_gid
+                                           or self.group_gid in peer.groups):
+            return READ
+        return NONE
+
+    def _refuse(self, peer: Peer, why: str) -> dict:
+        self.refused += 1
+        print(f"agentzip: control: refused pid {peer.pid} uid {peer.uid} gid {peer.gid}: "
+              f"{why}", file=sys.stderr, flush=True)
+        return {"ok": False, "error": f"permission denied: {why}"}
+
     def _serve(self, conn: socket.socket) -> None:
         conn.settimeout(CLIENT_TIMEOUT)
         with conn, conn.makefile("rwb") as stream:
+            try:
+                peer = peer_of(conn)
+            except OSError:
+                return
+            access = self.access(peer)
+            if access == NONE:
+                reply = self._refuse(peer, f"uid {peer.uid} is not root"
+                                     + (" nor in the control group" if self.group_gid
+                                        is not None else ""))
+                with contextlib.suppress(OSError):  # gone before it read it
+                    # take its request first (never acted on): closing on unread bytes
+                    # resets the connection, and the client would lose the reason
+                    conn.settimeout(1.0)
+                    stream.readline(MAX_LINE + 1)
+                    stream.write(json.dumps(reply).encode() + b"\n")
+                    stream.flush()
+                return
             while True:
                 try:
                     line = stream.readline(MAX_LINE + 1)
@@ -84,7 +170,7 @@ class ControlServer:
                     return
                 if not line:
                     return
-                reply = self.dispatch(line)
+                reply = self.dispatch(line, access, peer)
                 try:
                     stream.write(json.dumps(reply).encode() + b"\n")
                     stream.flush()
@@ -93,7 +179,9 @@ class ControlServer:
                 if len(line) > MAX_LINE:
                     return  # the rest of an over-long line is not a request
 
-    def dispatch(self, line: bytes) -> dict:
+    def dispatch(self, line: bytes, access: str = ALL, peer: Peer | None = None) -> dict:
+        if access == NONE:
+            return {"ok": False, "error": "permission denied"}
         if len(line) > MAX_LINE:
             return {"ok": False, "error": f"request longer than {MAX_LINE} bytes"}
         try:
@@ -108,6 +196,11 @@ class ControlServer:
         if handler is None:
             known = ", ".join(sorted(self.handlers))
             return {"ok": False, "error": f"unknown command {request['cmd']!r} (known: {known})"}
+        if access != ALL and request["cmd"] not in self.read_only:
+            allowed = ", ".join(sorted(self.read_only & set(self.handlers))) or "none"
+            return self._refuse(peer or Peer(0, -1, -1),
+                                f"{request['cmd']!r} needs root; the control group may use "
+                                f"only: {allowed}")
         try:
             reply = handler(request)
         except Exception as exc:  # a handler bug must not take the server down

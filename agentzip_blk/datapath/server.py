@@ -6,6 +6,7 @@ here; the mapping of exceptions to errno values is the plugin's only other job.
 
 from __future__ import annotations
 
+import grp
 import os
 import sys
 import threading
@@ -26,6 +27,10 @@ from .guard import SignalGuard
 
 PLUGIN_KEYS = ("config", "size", "control", "fuse", "fuse_threads")
 MAX_STATS_AGE = 3600  # s: the oldest cached stats a `stats` request may ask for
+
+# The control verbs that only read: what members of device.control_group may use (a
+# metrics exporter that is not root). The others change the device or stop the server.
+READ_ONLY_VERBS = ("ping", "health", "stats", "slots")
 
 
 @dataclass
@@ -102,7 +107,10 @@ class Server:
         self.maintainer = Maintainer(self.store)
         self.maintainer.start()
         if self.options.control:
-            self.control = ControlServer(self.options.control, self.handlers())
+            group = self.config.device.control_group
+            self.control = ControlServer(self.options.control, self.handlers(),
+                                         read_only=READ_ONLY_VERBS,
+                                         group_gid=grp.getgrnam(group).gr_gid if group else None)
             self.control.start()
         if self.options.fuse:
             self._start_fuse()
@@ -250,6 +258,7 @@ class Server:
             "signals_refused": dict(self.guard.refused) if self.guard else {},
             "maintenance_rounds": self.maintainer.rounds if self.maintainer else 0,
             "maintenance_error": self.maintainer.last_error if self.maintainer else None,
+            "control_refused": self.control.refused if self.control else 0,
         }
         if self.fuse is not None:
             from . import fuse

@@ -152,6 +152,11 @@ def _rss_sum(pids: list[int]) -> int:
 
 
 def snapshot(backend: SwapBackend, cg: MemoryCgroup | None) -> dict:
+    # The cgroup is read before the device: a page reaches the device before its charge moves
+    # to swap, so a device read taken after the cgroup's holds at least what the cgroup counts
+    # even when reclaim is still trickling on a cgroup at its limit.
+    cg_usage = cg.usage() if cg is not None else None
+    cg_swap = cg.swap_usage() if cg is not None else None
     mi = meminfo()
     vm = vmstat()
     swaps = proc_swaps()
@@ -165,8 +170,8 @@ def snapshot(backend: SwapBackend, cg: MemoryCgroup | None) -> dict:
             "pswpout": vm.get("pswpout", 0), "pswpin": vm.get("pswpin", 0),
             "server_rss": _rss_sum(backend.server_pids()), "device": backend.stats()}
     if cg is not None:
-        snap["cg_usage"] = cg.usage()
-        snap["cg_swap"] = cg.swap_usage()
+        snap["cg_usage"] = cg_usage
+        snap["cg_swap"] = cg_swap
     return snap
 
 

@@ -79,6 +79,8 @@ COUNTERS = [
     ("direct_to_disk", "direct_to_disk_pages", "New pages written straight to disk (pool full)."),
     ("disk_full", "disk_full", "Writes refused by a full disk tier."),
     ("disk_errors", "disk_errors", "Disk-tier I/O errors."),
+    ("checksum_errors", "checksum_errors",
+     "Reads that found a blob not matching its checksum or AEAD tag (answered EIO)."),
     ("compactions", "compactions", "Pool compaction rounds."),
     ("pages_moved", "compaction_moved_pages", "Cells moved by compaction."),
 ]

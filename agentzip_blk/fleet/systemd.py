@@ -1,12 +1,12 @@
 """The systemd units and their installer (``agentzip-blk install-units``, cli.install_units).
 
 Copies the units (``fleet/units/``, package data; ``deploy/systemd`` in the tree links to
-it): agentzip-blk.service, agentzip-blk-metrics.service,
-agent-sandbox.slice and the agent-sandbox-.slice.d/ drop-in, into
-``PREFIX/etc/systemd/system`` (PREFIX defaults to ``/``; a staging root for packages or tests
-otherwise), with the agentzip-blk path in ``ExecStart=``/``ExecStop=`` replaced by the
-installed program (``--bin``, default: this program). It does not run systemctl: it prints
-the commands to do so.
+it): agentzip-blk.service, its watchdog agentzip-blk-health.service + .timer,
+agentzip-blk-metrics.service, agent-sandbox.slice and the agent-sandbox-.slice.d/ drop-in,
+into ``PREFIX/etc/systemd/system`` (PREFIX defaults to ``/``; a staging root for packages or
+tests otherwise; the .deb puts them in ``usr/lib/systemd/system``, ``unit_dir``), with the
+agentzip-blk path in ``ExecStart=``/``ExecStop=`` replaced by the installed program (``--bin``,
+default: this program). It does not run systemctl: it prints the commands to do so.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PLACEHOLDER_BIN = "/usr/local/bin/agentzip-blk"
-UNIT_DIR = "etc/systemd/system"
+UNIT_DIR = "etc/systemd/system"  # the administrator's units (install-units)
+PACKAGE_UNIT_DIR = "usr/lib/systemd/system"  # a package's units (tools/build-deb.sh)
 SOURCE = Path(__file__).resolve().parent / "units"
 
 
@@ -44,9 +45,10 @@ def unit_files(source: Path = SOURCE) -> list[Path]:
     return sorted(p for p in source.rglob("*") if p.is_file())
 
 
-def install(prefix: str = "/", bin_path: str | None = None, source: Path = SOURCE) -> Installed:
+def install(prefix: str = "/", bin_path: str | None = None, source: Path = SOURCE,
+            unit_dir: str = UNIT_DIR) -> Installed:
     bin_path = os.path.abspath(bin_path or default_bin())
-    unit_dir = os.path.join(prefix, UNIT_DIR)
+    unit_dir = os.path.join(prefix, unit_dir.lstrip("/"))
     out = []
     for src in unit_files(source):
         rel = src.relative_to(source)

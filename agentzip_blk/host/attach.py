@@ -10,6 +10,7 @@ back to their cgroups), then tears the chain down (`chain.teardown`).
 from __future__ import annotations
 
 import contextlib
+import grp
 import os
 import signal
 import stat
@@ -97,43 +98,66 @@ def up(config=None, config_path: str | None = None, run_dir: str | None = None,
     if len(nbd_socket.encode()) > 100:
         raise SetupError(f"run directory path too long for a unix socket: {run_dir}")
 
-    with locked(run_dir):
-        old = RunState.load(run_dir)
-        if old is not None:
-            live = liveness(old)
-            if any(live.values()):
-                what = ", ".join(k for k, v in live.items() if v)
-                raise AlreadyAttached(f"a device is already attached from {run_dir} "
-                                      f"({what} alive): run `agentzip-blk down` first")
-            # stale state: nothing alive; clear leftovers (sockets, state file)
-            teardown(old, timeout)
-        for name in ("nbd.sock", "control.sock", "nbdkit.pid", "nbdfuse.pid"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(run_dir, name))
+    group = config.device.control_group if config is not None else None
+    # Everything up creates (state, logs, config copy, sockets, the mount point) is root's
+    # alone from its first byte, whatever umask the caller had; children inherit it.
+    old_umask = os.umask(0o077)
+    try:
+        with locked(run_dir, _group_gid(group), keep_group=False):
+            return _up_locked(run_dir, plugin, nbd_socket, config, config_path, size, priority,
+                              kernel_nbd, frontend, tools, mlock, timeout, fail_after)
+    finally:
+        os.umask(old_umask)
 
-        control = os.path.join(run_dir, "control.sock") if is_python_plugin(plugin) else None
-        if config is not None:
-            # The server must run on exactly the config the caller validated (which may not
-            # be a file at all): hand it over as a file in the run directory.
-            config_path = write_effective_config(config, run_dir)
-        state = RunState(run_dir=run_dir, plugin=plugin, nbd_socket=nbd_socket,
-                         control_socket=control,
-                         config_path=os.path.abspath(config_path) if config_path else None,
-                         size=size, swap_priority=priority,
-                         mode="nbd" if kernel_nbd else "fuse", frontend=frontend,
-                         tools=tools, mlock=mlock,
-                         rotational=bool(config is not None and config.device.rotational))
-        state.save()
+
+def _group_gid(name: str | None) -> int | None:
+    if not name:
+        return None
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise SetupError(f"device.control_group: no group {name!r} on this host") from None
+
+
+def _up_locked(run_dir: str, plugin: str, nbd_socket: str, config, config_path: str | None,
+               size: int, priority: int, kernel_nbd: bool, frontend: str, tools: dict,
+               mlock: bool, timeout: float, fail_after: str | None) -> RunState:
+    old = RunState.load(run_dir)
+    if old is not None:
+        live = liveness(old)
+        if any(live.values()):
+            what = ", ".join(k for k, v in live.items() if v)
+            raise AlreadyAttached(f"a device is already attached from {run_dir} "
+                                  f"({what} alive): run `agentzip-blk down` first")
+        # stale state: nothing alive; clear leftovers (sockets, state file)
+        teardown(old, timeout)
+    for name in ("nbd.sock", "control.sock", "nbdkit.pid", "nbdfuse.pid"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(run_dir, name))
+
+    control = os.path.join(run_dir, "control.sock") if is_python_plugin(plugin) else None
+    if config is not None:
+        # The server must run on exactly the config the caller validated (which may not
+        # be a file at all): hand it over as a file in the run directory.
+        config_path = write_effective_config(config, run_dir)
+    state = RunState(run_dir=run_dir, plugin=plugin, nbd_socket=nbd_socket,
+                     control_socket=control,
+                     config_path=os.path.abspath(config_path) if config_path else None,
+                     size=size, swap_priority=priority,
+                     mode="nbd" if kernel_nbd else "fuse", frontend=frontend,
+                     tools=tools, mlock=mlock,
+                     rotational=bool(config is not None and config.device.rotational))
+    state.save()
+    try:
+        up_steps(state, timeout, fail_after)
+    except BaseException as exc:
         try:
-            up_steps(state, timeout, fail_after)
-        except BaseException as exc:
-            try:
-                teardown(state, timeout)
-            except Exception as rb:  # keep the state so that `down` can finish the job
-                raise DeviceError(f"{exc}; rollback failed too: {rb} (state kept in "
-                                  f"{state.path}; fix and run `agentzip-blk down`)") from exc
-            raise
-        return state
+            teardown(state, timeout)
+        except Exception as rb:  # keep the state so that `down` can finish the job
+            raise DeviceError(f"{exc}; rollback failed too: {rb} (state kept in "
+                              f"{state.path}; fix and run `agentzip-blk down`)") from exc
+        raise
+    return state
 
 
 def down(run_dir: str | None = None, force: bool = False, *, config=None,
@@ -201,8 +225,10 @@ def _unwedge(state: RunState) -> bool:
 
 def _remove_tier_file(state: RunState) -> None:
     """A server that was killed leaves its disk tier behind: compressed pages of every
-    sandbox. Only a regular file at the configured path is removed (never a link)."""
-    if not state.config_path:
+    sandbox. Only a regular file at the configured path is removed (never a link), and only
+    the config `up` wrote into the run directory names it: a path in state.json that points
+    elsewhere is not root's instruction."""
+    if not state.config_path or state.config_path != os.path.join(state.run_dir, "config.yaml"):
         return
     try:
         from ..config import load_config

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import stat
 import time
 
 from .. import procfs
@@ -19,8 +21,10 @@ from ..datapath import control
 from ..errors import DeviceError, SetupError
 from . import facts, procs
 from .procs import STOPPED_STATES, ours_alive, run_tool, spawn, stop_process, wait_gone, wait_ready
+from .rundir import open_private
 from .runstate import STATE_FILE, TOOLS, RunState
-from .servercmd import default_plugin_path, is_python_plugin, plugin_env, server_command
+from .servercmd import (SERVER_PATH, default_plugin_path, is_python_plugin, plugin_env,
+                        server_command)
 
 
 SWAP_LABEL = "agentzip"
@@ -32,8 +36,11 @@ SWAP_LABEL = "agentzip"
 # and malloc arenas stay small) and marks it an I/O flusher where permitted. It also refuses
 # SIGTERM, SIGINT, SIGHUP and SIGPIPE with a line in nbdfuse's log: libfuse installs its
 # exit-on-signal handlers only over SIG_DFL (lib/fuse_signals.c), so ours stay, and nbdfuse
-# ends only when `down` unmounts the file (or by SIGKILL). Built with cc into the run
-# directory at `up`; without a compiler nbdfuse runs unprotected and `status` warns.
+# ends only when `down` unmounts the file (or by SIGKILL). Built ahead of time (MLOCK_SHIMS:
+# the .deb's, tools/build-deb.sh; the checkout's, setup.sh); `up` compiles it with cc into
+# the run directory only when neither exists, and refuses when it cannot.
+MLOCK_SHIMS = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "libagentzip-mlock.so"),
+               "/usr/lib/agentzip-blk/libagentzip-mlock.so")
 _MLOCK_SHIM_C = r"""
 #include <signal.h>
 #include <string.h>
@@ -71,8 +78,12 @@ __attribute__((constructor)) static void agentzip_lock_memory(void)
 
 
 def resolve_tool(name: str, tools: dict) -> str:
+    """The executable for ``name``: an in-process override (tests), else found on the fixed
+    SERVER_PATH, never on a path read from a file (state.json no longer records tools)."""
     t = tools.get(name) or TOOLS[name]
-    return facts.which(t) or t
+    if os.sep in t:
+        return t
+    return shutil.which(t, path=SERVER_PATH) or facts.which(t) or t
 
 
 def is_mounted(path: str | None) -> bool:
@@ -155,23 +166,37 @@ def loop_is_ours(state: RunState) -> bool:
     return backing.removesuffix(" (deleted)") == state.fuse_file
 
 
-def _build_mlock_shim(run_dir: str) -> str | None:
-    """Compile the mlockall preload library into ``run_dir``; None without a C compiler."""
+def compile_mlock_shim(lib: str, cflags: tuple[str, ...] = ()) -> str:
+    """Compile the mlockall preload library to ``lib`` (``python -m agentzip_blk.host.chain
+    LIB``: setup.sh, tools/build-deb.sh). DeviceError without a C compiler or on failure."""
     cc = facts.which("cc") or facts.which("gcc")
     if cc is None:
-        return None
-    src = os.path.join(run_dir, "agentzip-mlock.c")
-    lib = os.path.join(run_dir, "agentzip-mlock.so")
-    with open(src, "w", encoding="ascii") as f:
+        raise DeviceError("no C compiler (cc, gcc) for the mlock shim")
+    src = lib + ".c"
+    with open_private(src, encoding="ascii") as f:
         f.write(_MLOCK_SHIM_C)
     try:
-        run_tool([cc, "-O2", "-shared", "-fPIC", "-o", lib, src], timeout=60, what="cc (mlock shim)")
-    except DeviceError:
-        return None
+        run_tool([cc, "-O2", *cflags, "-shared", "-fPIC", "-o", lib, src], timeout=60,
+                 what="cc (mlock shim)")
     finally:
         with contextlib.suppress(OSError):
             os.unlink(src)
     return lib
+
+
+def mlock_shim(run_dir: str) -> str:
+    """The prebuilt preload library, else one compiled into ``run_dir``, else SetupError."""
+    for lib in MLOCK_SHIMS:
+        # one older than this file may predate a change of _MLOCK_SHIM_C (a checkout pulled
+        # since setup.sh ran): not used. The .deb gives both the same time.
+        if os.path.isfile(lib) and os.path.getmtime(lib) >= os.path.getmtime(__file__):
+            return lib
+    try:
+        return compile_mlock_shim(os.path.join(run_dir, "agentzip-mlock.so"))
+    except DeviceError as exc:
+        raise SetupError(f"nbdfuse's mlock shim: none prebuilt ({', '.join(MLOCK_SHIMS)}) and "
+                         f"{exc}: run ./setup.sh or apt-get install gcc (or up --no-mlock, "
+                         f"unsafe under pressure)") from None
 
 
 def _free_nbd_device() -> str:
@@ -353,7 +378,7 @@ def write_effective_config(config, run_dir: str) -> str:
     import yaml
 
     path = os.path.join(run_dir, "config.yaml")
-    with open(path, "w") as f:
+    with open_private(path) as f:
         f.write("# the config this server was started with (written by agentzip-blk up)\n")
         yaml.safe_dump(config.to_dict(), f, sort_keys=False)
     return path
@@ -389,6 +414,7 @@ def up_steps(state: RunState, timeout: float, fail_after: str | None) -> None:
     if state.frontend == "fuse":
         ready.append(state.fuse_file)  # mounted and answering once its lookup succeeds
     wait_ready(proc, pidfile, ready, timeout, "nbdkit", log)
+    _private_socket(state.nbd_socket)
     if state.control_socket:
         server_request(state, "health", timeout)  # serving, not only listening
     # best effort: needs CAP_SYS_RESOURCE (missing in some containers)
@@ -414,6 +440,14 @@ def up_steps(state: RunState, timeout: float, fail_after: str | None) -> None:
     _swapon(state, timeout, fail_after)
 
 
+def _private_socket(path: str) -> None:
+    """nbdkit gives its socket a mode of its own (0755 measured, whatever the umask): make it
+    0600. Its ip filter admits root only anyway (servercmd.peer_filter_args)."""
+    with contextlib.suppress(OSError):
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.chmod(path, 0o600)
+
+
 def _mountpoint(state: RunState, file_name: str) -> None:
     """RUN/mnt and the file in it, canonical (as losetup records its backing file), so that
     status and teardown never need to resolve a path inside the mount."""
@@ -421,6 +455,9 @@ def _mountpoint(state: RunState, file_name: str) -> None:
     os.makedirs(mnt, mode=0o700, exist_ok=True)
     if is_mounted(mnt):
         raise DeviceError(f"{mnt} is already a mount point: fusermount3 -u {mnt}")
+    if os.path.islink(mnt) or not os.path.isdir(mnt):
+        raise DeviceError(f"{mnt} is not a directory (a link?): remove it")
+    os.chmod(mnt, 0o700)  # an old one keeps its mode otherwise
     state.mountpoint = mnt
     state.fuse_file = os.path.join(mnt, file_name)
     state.save()
@@ -439,7 +476,7 @@ def _start_nbdfuse(state: RunState, timeout: float) -> None:
     fuse_pidfile = os.path.join(run_dir, "nbdfuse.pid")
     flog = os.path.join(run_dir, "nbdfuse.log")
     fenv = None
-    shim = _build_mlock_shim(run_dir) if state.mlock else None
+    shim = mlock_shim(run_dir) if state.mlock else None
     if shim:
         fenv = dict(os.environ)
         fenv["LD_PRELOAD"] = (shim + " " + fenv["LD_PRELOAD"]).strip() \
@@ -493,3 +530,8 @@ def _swapon(state: RunState, timeout: float, fail_after: str | None) -> None:
     state.swap_on = True
     state.save()
     inject("swapon", fail_after)
+
+
+if __name__ == "__main__":  # build the shim ahead of time: python -m agentzip_blk.host.chain LIB
+    import sys
+    print(compile_mlock_shim(sys.argv[1], tuple(sys.argv[2:])))

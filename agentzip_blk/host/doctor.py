@@ -7,6 +7,7 @@ feed made-up facts to the rules.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -16,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from .. import procfs
 from ..config import old_key_names
 from . import facts
+from .kubelet import DEFAULT_KUBELET_CONFIG, KubeletSwap, read_kubelet_swap, verdict
 from .procs import pid_alive
 
 __all__ = ["Check", "Facts", "gather", "diagnose", "render", "worst", "PASS", "WARN", "FAIL"]
@@ -62,6 +64,9 @@ class Facts:
     # swaps cold anon pages of *every* cgroup into whatever swap exists, scoped or not
     damon_anon_pageout: list[str] = field(default_factory=list)
     damon_file_only: list[str] = field(default_factory=list)  # pageout schemes that skip anon
+    kubelet: KubeletSwap | None = None  # the kubelet's swap settings (host.kubelet)
+    oomd_active: bool = False  # systemd-oomd runs: it kills the cgroup with most swap
+    oomd_omit: bool | None = None  # sandbox slices say ManagedOOMPreference=omit; None: no units
 
 
 def _kernel_tuple(release: str) -> tuple[int, int]:
@@ -73,7 +78,8 @@ def _under(root: str, path: str) -> str:
     return path if root in ("", "/") else os.path.join(root, path.lstrip("/"))
 
 
-def gather(run_dir: str, config=None, root: str = "/", config_path: str | None = None) -> Facts:
+def gather(run_dir: str, config=None, root: str = "/", config_path: str | None = None,
+           kubelet_config: str = DEFAULT_KUBELET_CONFIG) -> Facts:
     """The facts of this host; `config_path` is the file `config` came from (None: the
     default path), read again for keys spelled the old way."""
     from ..cgroups.backends import open_backend
@@ -107,6 +113,8 @@ def gather(run_dir: str, config=None, root: str = "/", config_path: str | None =
     f.loop_control = os.path.exists("/dev/loop-control")
     f.fuse_tools = facts.missing_tools(["nbdfuse", "fusermount3"])
     f.damon_anon_pageout, f.damon_file_only = damon_pageout(_under(root, "/sys"))
+    f.kubelet = read_kubelet_swap(kubelet_config)
+    f.oomd_active, f.oomd_omit = oomd(root)
     state = None
     try:
         state = RunState.load(run_dir)
@@ -198,6 +206,44 @@ def damon_pageout(sysfs: str = "/sys") -> tuple[list[str], list[str]]:
                 name = f"kdamond {k} context {c} scheme {sc}"
                 (file_only if _excludes_anon(scheme) else anon).append(name)
     return anon, file_only
+
+
+# where systemd reads units from, most binding first (systemd.unit(5)); the sandbox slice and
+# its prefix drop-in, as install-units (etc) and the .deb (usr/lib) put them
+_UNIT_DIRS = ("etc/systemd/system", "run/systemd/system", "usr/lib/systemd/system",
+              "lib/systemd/system")
+_SANDBOX_UNITS = ("agent-sandbox.slice", "agent-sandbox-.slice.d")
+
+
+def oomd(root: str = "/") -> tuple[bool, bool | None]:
+    """(systemd-oomd runs, the sandbox slices are excluded from it). On a host where it runs
+    (Fedora, Ubuntu) it kills the cgroup with the most swap once swap is 90% used: by design
+    a sandbox. Read from the unit files (the cgroup's user.oomd_omit xattr exists only on v2)."""
+    active = False
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(_under(root, "/proc")):
+            if entry.name.isdigit() and _read(os.path.join(entry.path, "comm")) == "systemd-oomd":
+                active = True
+                break
+    values: dict[str, str] = {}  # unit -> its ManagedOOMPreference= ("" unset)
+    for name in _SANDBOX_UNITS:
+        for d in _UNIT_DIRS:  # the first directory that has it (systemd would merge drop-ins)
+            path = os.path.join(_under(root, "/"), d, name)
+            if os.path.isdir(path):
+                files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".conf"))
+            elif os.path.isfile(path):
+                files = [path]
+            else:
+                continue
+            values[name] = ""
+            for line in "\n".join(_read(p) for p in files).splitlines():
+                key, _, value = line.strip().partition("=")
+                if key == "ManagedOOMPreference":
+                    values[name] = value.strip()  # the last one counts
+            break
+    if not values:
+        return active, None
+    return active, all(values.get(n) == "omit" for n in _SANDBOX_UNITS)
 
 
 def diagnose(f: Facts) -> list[Check]:
@@ -359,6 +405,21 @@ def _host_reclaim(f: Facts) -> Iterator[Check]:
         yield Check("host reclaim", PASS, "no machine-wide proactive reclaim (DAMON) pages out anon memory")
 
 
+def _oomd(f: Facts) -> Iterator[Check]:
+    """systemd-oomd and the sandboxes: they must be left out of its choice."""
+    if not f.oomd_active:
+        yield Check("systemd-oomd", PASS, "not running: nothing kills a sandbox for its swap use")
+    elif f.oomd_omit:
+        yield Check("systemd-oomd", PASS, "running; the sandbox slices are excluded "
+                    "(ManagedOOMPreference=omit)")
+    else:
+        what = "the sandbox slices are not installed" if f.oomd_omit is None else \
+            "the sandbox slices are not excluded (ManagedOOMPreference=omit)"
+        yield Check("systemd-oomd", FAIL, f"running, and {what}: once swap is 90% used it kills "
+                    "the cgroup with the most swap, a sandbox by design",
+                    "agentzip-blk install-units (or the .deb's units); systemctl daemon-reload")
+
+
 def _old_config_keys(f: Facts) -> Iterator[Check]:
     """Config keys spelled the old way: accepted, but said."""
     if f.old_config_keys:
@@ -384,8 +445,14 @@ def _scopes(f: Facts) -> Iterator[Check]:
         yield Check("scopes", PASS, f"{len(f.scoped_cgroups)} cgroup(s) in scope: {shown}")
 
 
+def _kubelet(f: Facts) -> Iterator[Check]:
+    """The kubelet's failSwapOn and memorySwap.swapBehavior (docs/KUBERNETES.md)."""
+    if f.kubelet is not None:
+        yield Check("kubelet swap", *verdict(f.kubelet))
+
+
 RULES = (_kernel, _memory_cgroup, _swap_areas, _zswap, _attach_path, _server, _host_reclaim,
-         _old_config_keys, _scopes)
+         _oomd, _old_config_keys, _scopes, _kubelet)
 
 
 def worst(checks: list[Check]) -> str:

@@ -14,11 +14,13 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Iterator
 
 from ..errors import DeviceError, SetupError
+from .rundir import open_private, secure_run_dir
 
 
 DEFAULT_RUN_DIR = "/run/agentzip"
@@ -30,7 +32,9 @@ DEFAULT_PRIORITY = 100
 STATE_FILE = "state.json"
 
 
-# Tool names (or absolute paths); ``up``/``down`` take a ``tools`` dict that overrides these.
+# Tool names; ``up`` takes a ``tools`` dict that overrides these for its own process (tests).
+# Overrides are never written to state.json: a file in the run directory must not tell root
+# what to execute; ``down`` finds the tools again (chain.resolve_tool, on a fixed PATH).
 TOOLS: dict[str, str] = {
     "nbdkit": "nbdkit",
     "nbdfuse": "nbdfuse",
@@ -66,7 +70,8 @@ class RunState:
     mkswap_done: bool = False
     swap_on: bool = False
     started: float = field(default_factory=time.time)
-    tools: dict = field(default_factory=dict)
+    # in-process overrides only (see TOOLS): never saved, and ignored in old state files
+    tools: dict = field(default_factory=dict, repr=False)
     mlock: bool = True              # lock nbdfuse (preload shim); --swap for a named plugin
     oom_protected: bool = False     # oom_score_adj -1000 set on nbdkit (and nbdfuse)
     nbdfuse_locked: bool = False    # nbdfuse runs with the mlockall preload shim
@@ -79,8 +84,8 @@ class RunState:
 
     def save(self) -> None:
         tmp = self.path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(asdict(self), f, indent=1, sort_keys=True)
+        with open_private(tmp) as f:
+            json.dump(self.to_dict(), f, indent=1, sort_keys=True)
             f.write("\n")
         os.replace(tmp, self.path)
 
@@ -88,22 +93,71 @@ class RunState:
     def load(cls, run_dir: str) -> "RunState | None":
         path = os.path.join(run_dir, STATE_FILE)
         try:
-            with open(path, encoding="utf-8") as f:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd, encoding="utf-8") as f:
                 data = json.load(f)
         except FileNotFoundError:
             return None
+        except PermissionError:
+            raise SetupError(f"{path}: permission denied: the run directory is root's "
+                             f"alone; run this as root") from None
         except (OSError, ValueError) as e:
             raise DeviceError(f"cannot read {path}: {e}; remove it if nothing is attached") from None
-        known = {f.name for f in fields(cls)}
+        # "tools" (tool paths) was saved before: a file must not name what root executes
+        known = {f.name for f in fields(cls)} - {"tools"}
+        if not isinstance(data, dict):
+            raise DeviceError(f"cannot read {path}: not a JSON object; remove it if nothing "
+                              f"is attached")
         data = {k: v for k, v in data.items() if k in known}
         data["run_dir"] = run_dir
-        return cls(**data)
+        try:
+            state = cls(**data)
+        except TypeError as e:
+            raise DeviceError(f"cannot read {path}: {e}; remove it if nothing is attached") from None
+        bad = state.misplaced()
+        if bad:
+            key, value = bad
+            raise DeviceError(f"{path} names {key} {value!r}, which is not where `up` puts it: "
+                              f"refusing to act on it; remove {path} if nothing is attached")
+        return state
+
+    def misplaced(self) -> tuple[str, object] | None:
+        """The first recorded path that is not where `up` puts it, or None. `down` swaps off,
+        detaches, unmounts and removes what the state names: a file must not point it at
+        anything else (another swap area, loop device or mount)."""
+        real = os.path.realpath(self.run_dir)  # never resolves inside the FUSE mount
+        mnt = os.path.join(real, "mnt")
+
+        def in_run_dir(p) -> bool:
+            return isinstance(p, str) and os.path.realpath(os.path.dirname(p)) == real
+
+        checks = [
+            ("nbd_socket", in_run_dir(self.nbd_socket)),
+            ("control_socket", self.control_socket is None or in_run_dir(self.control_socket)),
+            ("mountpoint", self.mountpoint in (None, mnt)),
+            ("fuse_file", self.fuse_file is None
+             or (isinstance(self.fuse_file, str) and os.path.dirname(self.fuse_file) == mnt)),
+            ("loop_device", self.loop_device is None or _is_dev(self.loop_device, "loop")),
+            ("nbd_device", self.nbd_device is None or _is_dev(self.nbd_device, "nbd")),
+            ("device", self.device is None or _is_dev(self.device, "loop")
+             or _is_dev(self.device, "nbd")),
+        ]
+        for key, ok in checks:
+            if not ok:
+                return key, getattr(self, key)
+        return None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d.pop("tools", None)
+        return d
 
     def tool(self, name: str) -> str:
         return self.tools.get(name) or TOOLS[name]
+
+
+def _is_dev(path, kind: str) -> bool:
+    return isinstance(path, str) and re.fullmatch(rf"/dev/{kind}[0-9]+", path) is not None
 
 
 def load_state(run_dir: str) -> RunState | None:
@@ -111,10 +165,12 @@ def load_state(run_dir: str) -> RunState | None:
 
 
 @contextlib.contextmanager
-def locked(run_dir: str) -> Iterator[None]:
-    """Serialise up/down on one run directory."""
-    os.makedirs(run_dir, mode=0o700, exist_ok=True)
-    fd = os.open(os.path.join(run_dir, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
+def locked(run_dir: str, group_gid: int | None = None, *, keep_group: bool = True) -> Iterator[None]:
+    """Serialise up/down on one run directory, after making it root's alone (rundir):
+    ``up`` passes ``keep_group=False`` and the control group, so the mode is exact."""
+    secure_run_dir(run_dir, group_gid, keep_group=keep_group)
+    fd = os.open(os.path.join(run_dir, "lock"),
+                 os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -2,8 +2,14 @@
 
 ``nbdkit_command`` builds exactly the line documented in docs/INTERFACES.md::
 
-    nbdkit -f -U NBD_SOCKET -P PIDFILE python /abs/agentzip_blk/datapath/nbdkit_plugin.py \\
-        [config=CONFIG_PATH] [size=BYTES] control=CONTROL_SOCKET
+    nbdkit -f -U NBD_SOCKET -P PIDFILE --filter=ip python /abs/agentzip_blk/datapath/nbdkit_plugin.py \\
+        allow=uid:0 deny=all [config=CONFIG_PATH] [size=BYTES] control=CONTROL_SOCKET
+
+nbdkit accepts the NBD connections itself, so the peer check of nbd.sock is its ``ip``
+filter: ``allow=uid:UID deny=all`` (SO_PEERCRED of the unix socket; nbdkit >= 1.24) admits
+only the server's own uid, root. A client of another uid is disconnected before the
+handshake, whatever the socket file's mode or the run directory's (defence in depth: both
+are root-only too, see host.rundir).
 
 The thread model is the plugin's own (``thread_model()`` in the plugin), so no
 ``--threads``/``-t`` is passed. The plugin mlockall()s itself (on fault): the
@@ -25,6 +31,8 @@ import agentzip_blk
 
 __all__ = [
     "DEFAULT_PLUGIN",
+    "SERVER_PATH",
+    "peer_filter_args",
     "default_plugin_path",
     "is_python_plugin",
     "nbdkit_command",
@@ -51,6 +59,13 @@ def is_python_plugin(plugin: str) -> bool:
     return plugin.endswith(".py")
 
 
+def peer_filter_args(uid: int | None = None) -> tuple[list[str], list[str]]:
+    """(options before the plugin, keys after it) for nbdkit's ip filter: only ``uid``
+    (default: ours, root in production) may connect to the NBD socket."""
+    uid = os.geteuid() if uid is None else uid
+    return ["--filter=ip"], [f"allow=uid:{int(uid)}", "deny=all"]
+
+
 def nbdkit_command(plugin_path: str, nbd_socket: str, control_socket: str | None, pidfile: str,
                    config_path: str | None = None, size: int | None = None,
                    foreground: bool = True, *, nbdkit: str = "nbdkit") -> list[str]:
@@ -63,8 +78,9 @@ def nbdkit_command(plugin_path: str, nbd_socket: str, control_socket: str | None
     cmd = [nbdkit]
     if foreground:
         cmd.append("-f")
-    cmd += ["-U", os.path.abspath(nbd_socket), "-P", os.path.abspath(pidfile),
-            "python", os.path.abspath(plugin_path)]
+    filter_opts, filter_keys = peer_filter_args()
+    cmd += ["-U", os.path.abspath(nbd_socket), "-P", os.path.abspath(pidfile), *filter_opts,
+            "python", os.path.abspath(plugin_path), *filter_keys]
     if config_path:
         cmd.append(f"config={os.path.abspath(config_path)}")
     if size is not None:
@@ -87,7 +103,9 @@ def server_command(plugin: str, nbd_socket: str, control_socket: str | None, pid
         cmd.append("--swap")
     if foreground:
         cmd.append("-f")
-    cmd += ["-U", os.path.abspath(nbd_socket), "-P", os.path.abspath(pidfile), plugin]
+    filter_opts, filter_keys = peer_filter_args()
+    cmd += ["-U", os.path.abspath(nbd_socket), "-P", os.path.abspath(pidfile), *filter_opts,
+            plugin, *filter_keys]
     if size is not None:
         cmd.append(f"size={int(size)}")
     return cmd

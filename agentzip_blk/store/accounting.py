@@ -199,7 +199,8 @@ def check(store: PageStore) -> None:
     assert pool.live_bytes <= pool.resident_bytes <= pool.allocated_bytes
     on_disk = live & (blobs.tier == DISK)
     if store.disk is not None:
-        extents = (-(-blobs.length[on_disk].astype(np.int64) // ALLOC_STEP) * ALLOC_STEP).sum()
+        sealed = blobs.length[on_disk].astype(np.int64) + store.disk.overhead  # nonce + tag
+        extents = (-(-sealed // ALLOC_STEP) * ALLOC_STEP).sum()
         assert store.disk.live_bytes == int(extents), "disk extents leak"
     else:
         assert not on_disk.any()

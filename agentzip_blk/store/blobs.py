@@ -33,6 +33,9 @@ _COLUMNS = {
     # bumped when the row is freed: a read that decompressed a blob outside the store lock
     # caches the copy only if the row still holds that blob (objects.Objects.adopt)
     "gen": np.uint32,
+    # the stored bytes' checksum (store.integrity: low 32 bits of xxh3_64), verified by every
+    # read: 4 bytes per blob, a frame of 16 pages pays it once
+    "csum": np.uint32,
 }
 ROW_BYTES = sum(np.dtype(t).itemsize for t in _COLUMNS.values())
 
@@ -64,7 +67,7 @@ class BlobTable:
 
     def new(
         self, arena: int, cell: int, length: int, codec: int, lo: int, hi: int, dict_id: int = 0,
-        pages: int = 1,
+        pages: int = 1, csum: int = 0,
     ) -> int:
         """A row with refcount 1, in the pool tier."""
         if self._free_head >= 0:
@@ -88,6 +91,7 @@ class BlobTable:
         self.disk_off[blob] = 0
         self.atime[blob] = 0
         self.rtime[blob] = 0
+        self.csum[blob] = csum
         self.count += 1
         return blob
 

@@ -1,9 +1,23 @@
-"""The disk tier: compressed blobs in one file, with its own free-space map.
+"""The disk tier: compressed blobs in one file, with its own free-space map, encrypted.
 
 Space is handed out in 64-byte steps (ALLOC_STEP) from free extents (best fit; neighbours coalesce on
 free) or from the end of the file, which grows with fallocate so that a full filesystem
 is found before any data is written. Swap content does not outlive the server, so the
-file starts empty every time.
+file starts empty every time (an existing file is truncated at open: the next `up` leaves
+nothing of the last run). Freed extents are hole-punched by the maintainer, outside the
+store lock, before they can be reused.
+
+Encryption at rest: every extent is sealed with AES-256-GCM under a key drawn at random when
+the server starts and never written anywhere, so the file of a crashed server is
+unreadable. An extent holds a 12-byte nonce (a random prefix and a counter: never reused
+under one key), the ciphertext and the 16-byte tag; the associated data binds it to its
+offset, length, blob id and the blob row's generation, so extents cannot be swapped
+around or replayed into another blob. The tag is the integrity check of disk pages.
+AES-GCM over ChaCha20-Poly1305 by measurement (AES-NI here: 23 us against 41 us per 4 KiB
+call with python3-cryptography 38, tools/bench_integrity.py).
+
+The file is opened with O_NOFOLLOW and must be a regular file of ours with mode 0600 and one
+link: a path planted by someone else is refused (DiskError), never truncated.
 
 The file's page cache would hold a second, uncompressed-on-disk copy of what we just
 demoted, in memory: after each batch of writes the cached pages are written back and
@@ -12,14 +26,32 @@ dropped (fdatasync + POSIX_FADV_DONTNEED); reads drop what they pulled in.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import fcntl
+import itertools
 import os
+import stat
+import struct
 
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from sortedcontainers import SortedDict, SortedList
+
+from .integrity import Corrupt
 
 ALLOC_STEP = 64  # bytes: extents are whole steps
 _GROW_STEP = 1 << 20
+NONCE_BYTES = 12
+TAG_BYTES = 16
+SEAL_OVERHEAD = NONCE_BYTES + TAG_BYTES  # bytes an encrypted extent holds beyond its blob
+_AAD = struct.Struct("<QIII")  # offset, length, blob id, blob generation
+
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
 
 
 class DiskFull(Exception):
@@ -34,14 +66,80 @@ def _round(n: int) -> int:
     return -(-n // ALLOC_STEP) * ALLOC_STEP
 
 
+def _fallocate(fd: int, mode: int, offset: int, length: int) -> None:
+    """fallocate(2) with its mode flags (Python 3.11's os module has none)."""
+    if _libc.fallocate(fd, mode, offset, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def open_tier_file(path: str) -> int:
+    """The tier file's descriptor: created 0600 if absent; an existing path must be a regular
+    file of this user, mode 0600, with no other link. Never follows a symbolic link, so a
+    link planted at the path cannot make us truncate its target."""
+    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
+    what = "refusing it as the disk tier (pool.swap_out_path): remove it, or set another path"
+    try:
+        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+        os.fchmod(fd, 0o600)  # whatever the umask took away or left
+    except FileExistsError:
+        try:
+            # O_NONBLOCK: opening a FIFO or a device planted there must not block
+            fd = os.open(path, flags | os.O_NONBLOCK)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise DiskError(f"{path} is a symbolic link: {what}") from None
+            raise DiskError(f"{path}: {exc.strerror}: {what}") from None
+    except OSError as exc:
+        raise DiskError(f"{path}: {exc.strerror}: {what}") from None
+    st = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(st.st_mode):
+        problem = "not a regular file"
+    elif st.st_uid != os.geteuid():
+        problem = f"owned by uid {st.st_uid}, not {os.geteuid()}"
+    elif stat.S_IMODE(st.st_mode) != 0o600:
+        problem = f"mode {stat.S_IMODE(st.st_mode):04o}, not 0600"
+    elif st.st_nlink != 1:
+        problem = f"{st.st_nlink} hard links"
+    if problem:
+        os.close(fd)
+        raise DiskError(f"{path}: {problem}: {what}")
+    return fd
+
+
+class _Sealer:
+    """AES-256-GCM with this server's key. The key lives only in this process's memory,
+    which the server locks (datapath.protect.lock_memory: mlockall(MCL_CURRENT|MCL_FUTURE|
+    MCL_ONFAULT)), so it never reaches a swap device or a file; it dies with the process."""
+
+    def __init__(self) -> None:
+        self._aead = AESGCM(AESGCM.generate_key(bit_length=256))  # os.urandom inside
+        self._prefix = os.urandom(NONCE_BYTES - 8)
+        self._counter = itertools.count(1)  # next() is atomic under the GIL
+
+    def seal(self, data, aad: bytes) -> bytes:
+        nonce = self._prefix + next(self._counter).to_bytes(8, "little")
+        return nonce + self._aead.encrypt(nonce, bytes(data), aad)
+
+    def open(self, extent: bytes, aad: bytes) -> bytes:
+        return self._aead.decrypt(extent[:NONCE_BYTES], extent[NONCE_BYTES:], aad)
+
+
+# For tools/bench_integrity.py only: with this off, new tiers store extents in the clear,
+# so that the benchmark can measure what encryption costs.
+ENCRYPT = True
+
+
 class DiskTier:
     def __init__(self, path: str, max_size: int = 0) -> None:
+        encrypt = ENCRYPT
         self.path = path
         self.max_size = max_size  # 0: as large as the filesystem allows
         parent = os.path.dirname(path)
         if parent:
             os.makedirs(parent, mode=0o700, exist_ok=True)
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._fd = open_tier_file(path)
         try:
             # Two servers on one file would overwrite each other's pages.
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -49,6 +147,8 @@ class DiskTier:
             os.close(self._fd)
             raise DiskError(f"{path} is in use by another agentzip server (pool.swap_out_path)") from None
         os.ftruncate(self._fd, 0)
+        self._sealer = _Sealer() if encrypt else None
+        self.overhead = SEAL_OVERHEAD if encrypt else 0
         self._by_offset: SortedDict = SortedDict()  # offset -> length of free extents
         self._by_size: SortedList = SortedList()  # (length, offset) for best fit
         self.end = 0  # bytes handed out from the start of the file
@@ -56,12 +156,19 @@ class DiskTier:
         self.live_bytes = 0  # sum of allocated extents
         self.reads = 0
         self.writes = 0
+        self.punch_errors = 0
+        self._pending: list[tuple[int, int]] = []  # freed extents, not yet punched
         self._dirty = False
+
+    def extent_size(self, length: int) -> int:
+        """Bytes of file an extent for a blob of `length` bytes takes."""
+        return _round(length + self.overhead)
 
     # -- space -----------------------------------------------------------------------
 
     def alloc(self, length: int) -> int:
-        need = _round(length)
+        """An extent for a blob of `length` bytes (with its nonce and tag)."""
+        need = self.extent_size(length)
         i = self._by_size.bisect_left((need, -1))
         if i < len(self._by_size):
             size, offset = self._by_size.pop(i)
@@ -76,8 +183,52 @@ class DiskTier:
         return offset
 
     def free(self, offset: int, length: int) -> None:
-        size = _round(length)
+        """Give back the extent of a blob of `length` bytes. It is not reusable yet: it waits
+        to be hole-punched (`take_pending`, `punch`, `reuse`), which the maintainer does
+        without the store lock, since a punch costs 0.1-0.4 ms (measured, ext4 under load)."""
+        size = self.extent_size(length)
         self.live_bytes -= size
+        self._pending.append((offset, size))
+
+    def take_pending(self) -> list[tuple[int, int]]:
+        """The freed extents waiting for their punch, as ranges to punch (under the store
+        lock). Their free neighbours join them, out of the free map until `reuse`: a punch
+        gives back only the blocks wholly inside its range, and extents are not block
+        aligned, so a block shared by two free extents needs one range over both."""
+        pending, self._pending = self._pending, []
+        ranges = list(pending)
+        for offset, size in pending:
+            i = self._by_offset.bisect_left(offset)
+            if i > 0:
+                prev = self._by_offset.keys()[i - 1]
+                if prev + self._by_offset[prev] == offset:
+                    ranges.append((prev, self._remove_free(prev)))
+            if offset + size in self._by_offset:
+                ranges.append((offset + size, self._remove_free(offset + size)))
+        merged: list[tuple[int, int]] = []
+        for offset, size in sorted(ranges):
+            if merged and merged[-1][0] + merged[-1][1] == offset:
+                merged[-1] = (merged[-1][0], merged[-1][1] + size)
+            else:
+                merged.append((offset, size))
+        return merged
+
+    def punch(self, extents: list[tuple[int, int]]) -> None:
+        """Hole-punch freed extents (no lock needed: nothing else touches them): whole
+        blocks go back to the filesystem, the partial ones at the edges are zeroed, so no
+        ciphertext stays behind."""
+        for offset, size in extents:
+            try:
+                _fallocate(self._fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, size)
+            except OSError:
+                self.punch_errors += 1  # best effort: the extent is sealed, and reused later
+
+    def reuse(self, extents: list[tuple[int, int]]) -> None:
+        """Punched extents into the free map (under the store lock)."""
+        for offset, size in extents:
+            self._give_back(offset, size)
+
+    def _give_back(self, offset: int, size: int) -> None:
         # Coalesce with the free neighbours on either side.
         i = self._by_offset.bisect_left(offset)
         if i > 0:
@@ -121,26 +272,67 @@ class DiskTier:
 
     # -- data ------------------------------------------------------------------------
 
-    def write(self, offset: int, data) -> None:
+    def _aad(self, offset: int, length: int, blob: int, gen: int) -> bytes:
+        return _AAD.pack(offset, length, blob & 0xFFFFFFFF, gen & 0xFFFFFFFF)
+
+    def seal(self, offset: int, data, blob: int, gen: int) -> bytes:
+        """The extent to write at `offset` for blob `blob` (generation `gen`): nonce,
+        ciphertext, tag. Needs no lock (the demotion seals outside the store lock)."""
+        if self._sealer is None:
+            return bytes(data)
+        return self._sealer.seal(data, self._aad(offset, len(data), blob, gen))
+
+    def write(self, offset: int, extent, batch: bool = False) -> None:
+        """Write a sealed extent. Its range is allocated again first: a reused free extent
+        was hole-punched, and a write into a hole could fail for want of space. `batch`:
+        written outside the store lock (the demotion), which counts and syncs it itself."""
         try:
-            written = os.pwrite(self._fd, data, offset)
+            _fallocate(self._fd, 0, offset, len(extent))
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskError(f"disk tier {self.path}: {exc.strerror}") from None
+            if exc.errno != errno.EOPNOTSUPP:
+                raise DiskError(f"fallocate {self.path} at {offset}: {exc.strerror}") from None
+        try:
+            written = os.pwrite(self._fd, extent, offset)
         except OSError as exc:
             raise DiskError(f"write to {self.path} at {offset}: {exc.strerror}") from None
-        if written != len(data):
+        if written != len(extent):
             raise DiskError(f"short write to {self.path} at {offset}")
-        self.writes += 1
-        self._dirty = True
+        if not batch:
+            self.writes += 1
+            self._dirty = True
 
-    def read(self, offset: int, length: int) -> bytes:
+    def put(self, offset: int, data, blob: int, gen: int, batch: bool = False) -> None:
+        self.write(offset, self.seal(offset, data, blob, gen), batch)
+
+    def read(self, offset: int, length: int, blob: int, gen: int) -> bytes:
+        """Blob `blob`'s `length` bytes, decrypted; Corrupt when its tag does not match (a
+        flipped bit, an extent moved or replayed, a file from another server start)."""
+        size = length + self.overhead
         try:
-            data = os.pread(self._fd, length, offset)
+            data = os.pread(self._fd, size, offset)
         except OSError as exc:
             raise DiskError(f"read from {self.path} at {offset}: {exc.strerror}") from None
-        if len(data) != length:
+        if len(data) != size:
             raise DiskError(f"short read from {self.path} at {offset}")
         self.reads += 1
-        self._drop_cache(offset, length)
-        return data
+        self._drop_cache(offset, size)
+        if self._sealer is None:
+            return data
+        try:
+            return self._sealer.open(data, self._aad(offset, length, blob, gen))
+        except InvalidTag:
+            raise Corrupt(f"blob {blob}: AEAD tag mismatch in the disk tier at {offset}") from None
+
+    def sync_written(self) -> None:
+        """Write back and drop the cached pages of what was written, without the store
+        lock (the demotion's batch): fdatasync, then POSIX_FADV_DONTNEED on the file."""
+        try:
+            os.fdatasync(self._fd)
+        except OSError as exc:
+            raise DiskError(f"fdatasync {self.path}: {exc.strerror}") from None
+        os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     def drop_cache(self) -> None:
         """Write back and drop the file's cached pages (after a batch of writes)."""
@@ -157,8 +349,9 @@ class DiskTier:
             os.posix_fadvise(self._fd, offset, length, os.POSIX_FADV_DONTNEED)
 
     def meta_bytes(self) -> int:
-        # A SortedDict entry plus a SortedList tuple: ~150 bytes per free extent.
-        return 150 * len(self._by_offset)
+        # A SortedDict entry plus a SortedList tuple: ~150 bytes per free extent; a tuple in
+        # a list per extent waiting for its punch.
+        return 150 * len(self._by_offset) + 80 * len(self._pending)
 
     def close(self) -> None:
         os.close(self._fd)

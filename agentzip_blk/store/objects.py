@@ -17,11 +17,13 @@ import numpy as np
 
 from ..codec import codecs
 from ..codec.codecs import CodecSet
-from ..errors import StoreFull
+from ..errors import CodecError, StoreFull
+from . import integrity
 from .blobs import DISK, POOL, BlobTable
 from .cache import HotCache
 from .dedup import DedupIndex, index_key, pack
 from .disk import DiskError, DiskFull, DiskTier
+from .integrity import Corrupt
 from .pool import Pool, PoolFull
 
 
@@ -45,6 +47,8 @@ class Counters:
     direct_to_disk: int = 0  # new pages written straight to disk (pool at its cap)
     disk_full: int = 0
     disk_errors: int = 0
+    # reads that found a blob's bytes not matching its checksum or AEAD tag (EIO)
+    checksum_errors: int = 0
     compactions: int = 0
     pages_moved: int = 0  # cells moved by compaction
     hot_hits: int = 0
@@ -71,6 +75,7 @@ class Deferred:
     stored: bytes
     size: int      # decoded bytes: a page, or a frame
     keep: bool     # cache the copy: a frame always, a page when it is hot
+    csum: int = 0  # the blob's checksum, verified after the lock (`Objects.finish`)
 
 
 class Objects:
@@ -105,10 +110,12 @@ class Objects:
         self.codec_pages[codec_id] += 1
         return blob
 
-    def new_frame(self, compressed, codec_id: int, keys: list[int], now: int) -> int:
+    def new_frame(self, compressed, codec_id: int, keys: list[int], now: int,
+                  dict_id: int = 0) -> int:
         """A frame of len(keys) pages with one reference per page; `keys` are the pages'
-        dedup index keys (a frame's pages keep only those: the bytes decide equality)."""
-        blob = self._new(compressed, codec_id, 0, 0, 0, now, len(keys))
+        dedup index keys (a frame's pages keep only those: the bytes decide equality);
+        `dict_id` the dictionary it was compressed with (0: none)."""
+        blob = self._new(compressed, codec_id, dict_id, 0, 0, now, len(keys))
         self.blobs.ref[blob] = len(keys)
         for sub, key in enumerate(keys):
             self.blobs.members[blob, sub] = key
@@ -120,17 +127,23 @@ class Objects:
              pages: int) -> int:
         """A blob row for `stored`, in a pool cell, or on disk with the pool at its cap."""
         blobs = self.blobs
+        csum = integrity.checksum(stored)
         try:
             arena, cell = self.pool.alloc(len(stored))
         except PoolFull as exc:
-            offset = self.disk_put(stored, str(exc))
-            blob = blobs.new(-1, 0, len(stored), codec_id, lo, hi, dict_id, pages)
+            # The row first: a disk extent is sealed to its blob id and generation.
+            blob = blobs.new(-1, 0, len(stored), codec_id, lo, hi, dict_id, pages, csum)
+            try:
+                offset = self.disk_put(stored, str(exc), blob)
+            except BaseException:
+                blobs.delete(blob)
+                raise
             blobs.tier[blob] = DISK
             blobs.disk_off[blob] = offset
             self.counters.direct_to_disk += 1
         else:
             self.pool.put(arena, cell, stored)
-            blob = blobs.new(arena, cell, len(stored), codec_id, lo, hi, dict_id, pages)
+            blob = blobs.new(arena, cell, len(stored), codec_id, lo, hi, dict_id, pages, csum)
         blobs.atime[blob] = now
         return blob
 
@@ -165,15 +178,33 @@ class Objects:
     # -- bytes ---------------------------------------------------------------------------
 
     def stored_bytes(self, blob: int) -> bytes:
+        """A blob's bytes as stored, verified against its checksum (and, on disk, its AEAD
+        tag); Corrupt, counted and logged, when they do not match."""
         blobs = self.blobs
         length = int(blobs.length[blob])
         if blobs.tier[blob] == POOL:
-            return self.pool.get(int(blobs.arena[blob]), int(blobs.cell[blob]), length)
-        try:
-            return self.disk.read(int(blobs.disk_off[blob]), length)
-        except DiskError:
-            self.counters.disk_errors += 1
-            raise
+            data = self.pool.get(int(blobs.arena[blob]), int(blobs.cell[blob]), length)
+            where = "pool cell"
+        else:
+            try:
+                data = self.disk.read(int(blobs.disk_off[blob]), length, blob, int(blobs.gen[blob]))
+            except DiskError:
+                self.counters.disk_errors += 1
+                raise
+            except Corrupt as exc:
+                self.note_corrupt(exc)
+                raise
+            where = "disk extent"
+        if not integrity.matches(data, int(blobs.csum[blob])):
+            exc = Corrupt(f"blob {blob}: checksum mismatch in its {where}")
+            self.note_corrupt(exc)
+            raise exc
+        return data
+
+    def note_corrupt(self, exc: Corrupt) -> None:
+        """Count and log a mismatch (under the store lock)."""
+        self.counters.checksum_errors += 1
+        integrity.log_line(str(exc), self.counters.checksum_errors)
 
     def cached(self, blob: int) -> bytes | None:
         """The hot or frame cache's copy of a blob, if either has one."""
@@ -219,16 +250,20 @@ class Objects:
         if blobs.tier[blob] != POOL:
             return self.fetch(blob, is_hot, touch)
         pages = int(blobs.pages[blob])
+        stored = self.pool.get(int(blobs.arena[blob]), int(blobs.cell[blob]), int(blobs.length[blob]))
         return Deferred(blob, int(blobs.gen[blob]), int(blobs.codec[blob]),
-                        int(blobs.dict_id[blob]), self.stored_bytes(blob),
-                        pages * self.page_size, pages > 1 or is_hot)
+                        int(blobs.dict_id[blob]), stored,
+                        pages * self.page_size, pages > 1 or is_hot, int(blobs.csum[blob]))
 
     def decode(self, codec_id: int, stored, dict_id: int, size: int) -> bytes:
         with self.decode_lock:
             return self.codecs.decompress(codec_id, stored, dict_id, size)
 
     def finish(self, late: Deferred) -> bytes:
-        """Without the store lock: the deferred blob decompressed."""
+        """Without the store lock: the deferred blob verified and decompressed. A mismatch
+        raises Corrupt; the caller counts it under the lock (`note_corrupt`)."""
+        if not integrity.matches(late.stored, late.csum):
+            raise Corrupt(f"blob {late.blob}: checksum mismatch in its pool cell")
         return self.decode(late.codec, late.stored, late.dict_id, late.size)
 
     def adopt(self, late: Deferred, data: bytes) -> None:
@@ -240,23 +275,30 @@ class Objects:
             return
         (self.frames if late.size > self.page_size else self.hot).put(late.blob, data)
 
-    def page(self, blob: int, sub: int) -> memoryview:
-        """Page `sub` of a blob, for a comparison (no access recorded, no promotion)."""
+    def page(self, blob: int, sub: int) -> memoryview | None:
+        """Page `sub` of a blob, for a comparison (no access recorded, no promotion); None
+        when the blob cannot be read (corrupt, or a disk error: counted by the fetch), so
+        that a write of the same content stores a fresh copy instead of failing."""
         page = self.page_size
-        return memoryview(self.fetch(blob))[sub * page : (sub + 1) * page]
+        try:
+            data = self.fetch(blob)
+        except (Corrupt, DiskError, CodecError):
+            return None
+        return memoryview(data)[sub * page : (sub + 1) * page]
 
     # -- the disk tier ---------------------------------------------------------------------
 
-    def disk_put(self, data, why_not_pool: str) -> int:
+    def disk_put(self, data, why_not_pool: str, blob: int) -> int:
+        """An extent holding `data` for `blob` (its row already made), sealed and written."""
         if self.disk is None:
-            raise StoreFull(why_not_pool)
+            raise StoreFull(f"{why_not_pool}; no disk tier (pool.swap_out_path: null)")
         try:
             offset = self.disk.alloc(len(data))
         except DiskFull as exc:
             self.counters.disk_full += 1
             raise StoreFull(f"{why_not_pool}; {exc}") from None
         try:
-            self.disk.write(offset, data)
+            self.disk.put(offset, data, blob, int(self.blobs.gen[blob]))
         except DiskError:
             self.disk.free(offset, len(data))
             self.counters.disk_errors += 1

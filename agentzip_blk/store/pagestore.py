@@ -36,6 +36,7 @@ from . import accounting
 from .blobs import BlobTable
 from .cache import HotCache
 from .dedup import DedupIndex, HashFn
+from .integrity import Corrupt
 from .disk import DiskTier
 from .objects import Counters, Deferred, Objects
 from .placement import Placer, Prepared
@@ -98,7 +99,8 @@ class PageStore:
         )
         # compression.dictionary: loads (and checks) the dictionaries now, so a missing or
         # corrupt file stops the server at startup; picks one per write request later.
-        self.dicts = StoreDictionaries(writer, dictionary, level, page_size, clock=clock)
+        self.dicts = StoreDictionaries(writer, dictionary, level, page_size, clock=clock,
+                                       frame_writer=self.frame_codec, frame_pages=frame_pages)
         self.codecs = CodecSet(writer, self.dicts.registry)
         max_blob = frame_pages * MAX_COMPRESSED if frame_pages > 1 else page_size
         self.pool = Pool(tiering.max_size, page_size, max_blob)
@@ -206,9 +208,11 @@ class PageStore:
                 for i, sub in places:
                     out[i * page : (i + 1) * page] = data[sub * page : (sub + 1) * page]
                 done.append((blob_late, data.obj))
-        except Exception:
+        except Exception as exc:
             with self.lock:
                 self.counters.errors += 1
+                if isinstance(exc, Corrupt):
+                    self.objects.note_corrupt(exc)
             raise
         with self.lock:
             for blob_late, data in done:

@@ -44,14 +44,15 @@ class Prepared:
     """What a write request's pages are, worked out before the store lock is taken: which
     are same-filled (`same`, and the slots' new `kind`/`handle`), the others (`todo`, their
     `pages` and `hashes`), and `frames`: the compressed frame for each group of positions
-    in `pages` that `place` will form if none of the pages is already stored."""
+    in `pages` that `place` will form if none of the pages is already stored, with the
+    dictionary id it was compressed with."""
     same: np.ndarray
     kind: np.ndarray
     handle: np.ndarray
     todo: list[int]
     pages: list[memoryview]
     hashes: list[tuple[int, int]] | None = None
-    frames: dict[tuple[int, ...], bytes] = field(default_factory=dict)
+    frames: dict[tuple[int, ...], tuple[bytes, int]] = field(default_factory=dict)
 
 
 def first_copies(pages: list[memoryview], hashes: list[tuple[int, int]],
@@ -125,11 +126,13 @@ class Placer:
         early.hashes = self.hashes(early.pages)
         fresh, _ = first_copies(early.pages, early.hashes, self.dedup)
         step = self.frame_pages
-        for start in range(0, len(fresh), step):
-            group = tuple(fresh[start : start + step])
-            if len(group) > 1:
-                early.frames[group] = self.frame_codec.compress(
-                    b"".join(early.pages[n] for n in group))
+        groups = [tuple(fresh[start : start + step]) for start in range(0, len(fresh), step)]
+        joined = [b"".join(early.pages[n] for n in g) for g in groups if len(g) > 1]
+        if joined:  # one dictionary choice (maybe none) for the request's frames
+            choice = self.dicts.choose_frames(joined)
+            for k, group in enumerate(g for g in groups if len(g) > 1):
+                out = choice.sample_out if k == choice.sample else choice.codec.compress(joined[k])
+                early.frames[group] = (out, choice.dict_id)
         return early
 
     def hashes(self, pages: list[memoryview]) -> list[tuple[int, int]]:
@@ -192,7 +195,7 @@ class Placer:
             self.counters.dedup_compares += 1
             blob, sub = unpack(value)
             if blobs.pages[blob] == 1:
-                equal = int(blobs.hash_hi[blob]) == hi and objects.fetch(blob) == page
+                equal = int(blobs.hash_hi[blob]) == hi and objects.page(blob, 0) == page
             else:  # frame pages keep only the index key; the bytes decide
                 equal = objects.page(blob, sub) == page
             if equal:
@@ -213,15 +216,18 @@ class Placer:
         they compress well enough together, else one blob per page. `frames` may hold the
         group already compressed (a page found stored shifts the groups: then not)."""
         if len(group) > 1:
-            # No dictionary for frames: their own earlier pages are a better one, so the
-            # dictionary trainer only sees pages compressed alone.
-            compressed = frames.get(tuple(group)) if frames else None
+            # Compressed by `prepare` with the request's dictionary choice; recompressed here
+            # (rare: the groups shifted, or that dictionary was unloaded since) without one.
+            compressed, dict_id = (frames.get(tuple(group)) if frames else None) or (None, 0)
+            if dict_id and not self.dicts.registry.registered(dict_id):
+                compressed, dict_id = None, 0
             if compressed is None:
                 compressed = self.frame_codec.compress(b"".join(pages[n] for n in group))
                 self.counters.frames_compressed_locked += 1
+            self.dicts.observe_frame([pages[n] for n in group])
             if pays(len(compressed), len(group)):
                 keys = [index_key(hashes[n][0]) for n in group]
-                blob = self.objects.new_frame(compressed, self.frame_codec.id, keys, now)
+                blob = self.objects.new_frame(compressed, self.frame_codec.id, keys, now, dict_id)
                 for sub, n in enumerate(group):
                     placed[n] = (blob, sub)
                     staged.append(blob)

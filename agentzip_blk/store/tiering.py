@@ -22,7 +22,8 @@ import numpy as np
 
 from ..errors import CodecError, StoreFull
 from .blobs import DISK, POOL
-from .disk import DiskError
+from .disk import DiskError, DiskFull
+from .integrity import Corrupt
 from .pool import PoolFull
 
 if TYPE_CHECKING:
@@ -80,6 +81,7 @@ class Tiers:
         tiering = store.tiering
         self.defrag = tiering.defrag
         self.reclaim_bytes = tiering.max_size * tiering.reclaim_threshold // 100
+        self._demoting = threading.Lock()
         self.reclaim_target = max(
             0, tiering.max_size * (tiering.reclaim_threshold - HYSTERESIS_PERCENT) // 100
         )
@@ -108,13 +110,25 @@ class Tiers:
     def demote_cold(self, limit: int = DEMOTE_CHUNK) -> int:
         """Demote up to `limit` of the oldest cold pool blobs to disk; returns blobs moved.
 
-        Copies are written and synced first; only then are the pool cells freed and the blobs
-        switched to disk, so a failing disk leaves every page in the pool."""
+        Nothing slow under the store lock: the blobs' bytes are copied out and their extents
+        reserved under it; sealing, writing and syncing happen without it; then, under it
+        again, each blob still alive in its generation (`blobs.gen`: not freed, not reused)
+        is switched to its extent and its pool cell freed, and the extents of the others are
+        freed. Copies are on disk before any cell goes, so a failing disk leaves every page
+        in the pool."""
         if self.disk is None:
             return 0
-        store, objects = self.store, self.objects
+        # One demotion at a time (the maintainer, and `reclaim` from the control thread):
+        # two would pick the same candidates, and the loser's empty round would end its
+        # caller's loop early. Taken before the store lock, never inside it.
+        with self._demoting:
+            return self._demote_cold(limit)
+
+    def _demote_cold(self, limit: int) -> int:
+        store, objects, disk = self.store, self.objects, self.disk
+        blobs = objects.blobs
+        batch: list[tuple[int, int, int, bytes]] = []  # blob, generation, extent, bytes
         with store.lock:
-            blobs = objects.blobs
             now = store.now()
             n = blobs.capacity
             candidates = np.flatnonzero(
@@ -125,24 +139,54 @@ class Tiers:
             if not len(candidates):
                 return 0
             oldest = candidates[np.argsort(blobs.atime[candidates], kind="stable")][:limit]
-            copies: list[tuple[int, int]] = []
             for blob in oldest.tolist():
+                length = int(blobs.length[blob])
                 try:
-                    copies.append((blob, objects.disk_put(objects.stored_bytes(blob), "demotion")))
-                except (StoreFull, DiskError):
+                    offset = disk.alloc(length)
+                except DiskFull:
+                    self.counters.disk_full += 1
                     break
-            try:
-                if copies:
-                    objects.drop_disk_cache()
-            except DiskError:
-                for blob, offset in copies:
-                    self.disk.free(offset, int(blobs.length[blob]))
-                return 0
-            for blob, offset in copies:
-                self.pool.free(int(blobs.arena[blob]), int(blobs.cell[blob]))
-                blobs.arena[blob], blobs.tier[blob], blobs.disk_off[blob] = -1, DISK, offset
-            self.counters.demotions += len(copies)
-            return len(copies)
+                # a copy (bytes), not a view of the cell: the cell may go meanwhile
+                data = self.pool.get(int(blobs.arena[blob]), int(blobs.cell[blob]), length)
+                batch.append((blob, int(blobs.gen[blob]), offset, data))
+        if not batch:
+            return 0
+        try:
+            for blob, gen, offset, data in batch:
+                disk.put(offset, data, blob, gen, batch=True)
+            disk.sync_written()
+        except DiskError:
+            with store.lock:
+                for _blob, _gen, offset, data in batch:
+                    disk.free(offset, len(data))
+                self.counters.disk_errors += 1
+            return 0
+        moved = 0
+        with store.lock:
+            disk.writes += len(batch)
+            for blob, gen, offset, data in batch:
+                if blobs.ref[blob] > 0 and int(blobs.gen[blob]) == gen and blobs.tier[blob] == POOL:
+                    self.pool.free(int(blobs.arena[blob]), int(blobs.cell[blob]))
+                    blobs.arena[blob], blobs.tier[blob], blobs.disk_off[blob] = -1, DISK, offset
+                    moved += 1
+                else:  # freed (perhaps reused) or moved by another round meanwhile
+                    disk.free(offset, len(data))
+            self.counters.demotions += moved
+        return moved
+
+    def punch_freed(self) -> int:
+        """Hole-punch the disk extents freed since the last round, without the store lock,
+        then let them be reused; returns extents punched."""
+        if self.disk is None:
+            return 0
+        with self.store.lock:
+            pending = self.disk.take_pending()
+        if not pending:
+            return 0
+        self.disk.punch(pending)
+        with self.store.lock:
+            self.disk.reuse(pending)
+        return len(pending)
 
     def rewrite_sparse_frames(self, limit: int = REWRITE_CHUNK) -> int:
         """Recompress frames that at most half of their pages are still used by, keeping only
@@ -170,7 +214,7 @@ class Tiers:
             for blob, frame_slots in slots_of.items():
                 try:
                     done += self._rewrite_frame(blob, frame_slots)
-                except (StoreFull, DiskError, CodecError):
+                except (StoreFull, DiskError, CodecError, Corrupt):
                     break  # no room or a bad read: the frame stays as it is
             self.counters.units_rewritten += done
             return done
@@ -267,6 +311,7 @@ class Tiers:
         compacted = 0
         if self.defrag and self.needs_compaction():
             compacted = self.compact()
+        self.punch_freed()
         return {"demoted": demoted, "compacted": compacted, "units_rewritten": rewritten}
 
 

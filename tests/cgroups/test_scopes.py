@@ -167,20 +167,20 @@ def test_ledger_records_before_writing_and_restores(tmp_path):
 def test_ledger_write_ahead_survives_a_failed_write(tmp_path, monkeypatch):
     cg = tmp_path / "cg"
     w(str(cg / "memory.high"), "max\n")
-    real_write = ledger.write_file
+    real_write = ledger.write_cgroup_file
 
-    def crash(path, value, create=False):
+    def crash(path, value, fake=False):
         raise OSError(5, "Input/output error")  # e.g. the tuner dies inside the write
 
-    monkeypatch.setattr(ledger, "write_file", crash)
+    monkeypatch.setattr(ledger, "write_cgroup_file", crash)
     with pytest.raises(OSError):
-        Ledger(str(tmp_path / "run")).write(str(cg / "memory.high"), "5")
-    monkeypatch.setattr(ledger, "write_file", real_write)
+        Ledger(str(tmp_path / "run"), fake=True).write(str(cg / "memory.high"), "5")
+    monkeypatch.setattr(ledger, "write_cgroup_file", real_write)
     # the original was on disk before the write was tried
     entries = Ledger(str(tmp_path / "run")).entries()
     assert [(e.original, e.last) for e in entries] == [("max", "")]
     w(str(cg / "memory.high"), "5")  # as if the write had landed after all
-    assert len(ledger.release_all(str(tmp_path / "run")).restored) == 1
+    assert len(ledger.release_all(str(tmp_path / "run"), fake=True).restored) == 1
     assert r(str(cg / "memory.high")) == "max"
 
 
@@ -211,12 +211,13 @@ def test_release_unscoped_restores_only_uncovered(tmp_path):
     for n, d in cgs.items():
         w(str(d / "memory.high"), "max\n")
         led.write(str(d / "memory.high"), "7")
-    report = ledger.release_unscoped(str(tmp_path / "run"), [Scope("agent-1"), Scope("other")])
+    report = ledger.release_unscoped(str(tmp_path / "run"), [Scope("agent-1"), Scope("other")],
+                                     fake=True)
     assert [e.cgroup for e in report.restored] == ["/agent-2"]
     assert r(str(cgs["agent-2"] / "memory.high")) == "max"
     assert r(str(cgs["agent-1"] / "memory.high")) == "7"
     assert sorted(led.cgroups()) == ["/agent-1", "/other"]
-    assert len(ledger.release_all(str(tmp_path / "run")).restored) == 2
+    assert len(ledger.release_all(str(tmp_path / "run"), fake=True).restored) == 2
     assert r(str(cgs["other"] / "memory.high")) == "max"
 
 

@@ -149,7 +149,8 @@ def test_auto_trains_and_adopts_a_host_dictionary_that_wins(monkeypatch):
     trainer = store.dicts.trainer
     trainer.background = False
     trainer.sample_every, trainer.train_pages, trainer.heldout_pages = 1, 400, 100
-    pages = text_pages(600, 5)
+    trainer.heldout_every, trainer.heldout_delay = 1, 0  # held-out: the pages written next
+    pages = text_pages(400, 5) + text_pages(200, 15)  # a first run, then a later one
     for i in range(0, 600, 4):
         store.write(b"".join(pages[i:i + 4]), i * PAGE)
     assert trainer.stats.rounds == 1 and trainer.stats.adopted == 1, trainer.summary()

@@ -153,6 +153,7 @@ def valid_configs(draw):
             "run_dir": "/run/" + draw(st.from_regex(r"[a-z]{1,8}", fullmatch=True)),
             "rotational": draw(st.booleans()),
             "frontend": draw(st.sampled_from(["auto", "fuse", "nbdfuse", "nbd"])),
+            "control_group": draw(st.sampled_from([None, "root"])),
         },
     }
 

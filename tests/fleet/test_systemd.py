@@ -22,7 +22,8 @@ from agentzip_blk.fleet import systemd as units_install
 ANALYZE = shutil.which("systemd-analyze")
 needs_analyze = pytest.mark.skipif(
     ANALYZE is None, reason="systemd-analyze not installed (apt-get install systemd)")
-UNITS = ["agentzip-blk.service", "agentzip-blk-metrics.service", "agent-sandbox.slice",
+UNITS = ["agentzip-blk.service", "agentzip-blk-health.service", "agentzip-blk-health.timer",
+         "agentzip-blk-metrics.service", "agent-sandbox.slice",
          "agent-sandbox-demo.slice"]  # the last: an instance the drop-in applies to
 
 
@@ -35,9 +36,29 @@ def _bin() -> str:
 
 
 def verify(unit_dir: Path, units: list[str]) -> subprocess.CompletedProcess:
+    # --man=no: Documentation=man:agentzip-blk(1) is installed by the .deb, not by
+    # install-units (tests/test_deb.py renders it); the trailing ":" keeps the system's units
+    # (swap.target, sysinit.target...), so ordering cycles with them are found too
     env = dict(os.environ, SYSTEMD_UNIT_PATH=f"{unit_dir}:", SYSTEMD_LOG_COLOR="0")
-    return subprocess.run([ANALYZE, "verify", *units], env=env, capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run([ANALYZE, "verify", "--man=no", *units], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def directives(path: Path) -> dict[str, dict[str, list[str]]]:
+    """section -> key -> every value, split on whitespace: systemd adds up list settings
+    given on several lines (Before=, After=, Wants=), which configparser would overwrite."""
+    out: dict[str, dict[str, list[str]]] = {}
+    section = None
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line or line[0] in "#;":
+            continue
+        if line.startswith("["):
+            section = out.setdefault(line.strip("[]"), {})
+        else:
+            key, _, value = line.partition("=")
+            section.setdefault(key.strip(), []).extend(value.split())
+    return out
 
 
 def unit(path: Path) -> configparser.ConfigParser:
@@ -53,11 +74,27 @@ def test_install_units_cli(tmp_path, capsys):
     d = tmp_path / "etc/systemd/system"
     names = sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file())
     assert names == ["agent-sandbox-.slice.d/50-agentzip.conf", "agent-sandbox.slice",
+                     "agentzip-blk-health.service", "agentzip-blk-health.timer",
                      "agentzip-blk-metrics.service", "agentzip-blk.service"]
     svc = unit(d / "agentzip-blk.service")["Service"]
     assert svc["ExecStart"] == f"{b} up" and svc["ExecStop"] == f"{b} down"
-    assert units_install.PLACEHOLDER_BIN not in (d / "agentzip-blk.service").read_text()
+    assert unit(d / "agentzip-blk-health.service")["Service"]["ExecStart"] == f"{b} status"
+    for f in d.rglob("*"):
+        if f.is_file():
+            assert units_install.PLACEHOLDER_BIN not in f.read_text(), f
     assert "installed" in capsys.readouterr().out
+
+
+def test_install_units_unit_dir_in_a_separate_process(tmp_path):
+    """The .deb's layout (tools/build-deb.sh): --unit-dir puts the units under the prefix."""
+    b = _bin()
+    r = subprocess.run([b, "install-units", "--prefix", str(tmp_path), "--unit-dir",
+                        "usr/lib/systemd/system", "--bin", "/usr/bin/agentzip-blk"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    d = tmp_path / "usr/lib/systemd/system"
+    assert unit(d / "agentzip-blk.service")["Service"]["ExecStart"] == "/usr/bin/agentzip-blk up"
+    assert not (tmp_path / "etc").exists()
 
 
 def test_unit_semantics():
@@ -72,6 +109,47 @@ def test_unit_semantics():
     assert drop["MemoryAccounting"] == "yes" and drop["MemorySwapMax"] == "infinity"
     assert drop["MemoryHigh"] == "infinity" and drop["MemoryMax"] == "infinity"
     assert drop["MemoryLow"] == "0"
+
+
+def test_boot_and_shutdown_order():
+    """The device is swap before swap.target and the kubelet; the sandboxes come after it
+    (so stop before its swapoff); systemd-oomd leaves them alone; a health timer shows a
+    dead server."""
+    src = units_install.SOURCE
+    svc = directives(src / "agentzip-blk.service")
+    u = svc["Unit"]
+    assert {"swap.target", "kubelet.service", "shutdown.target"} <= set(u["Before"])
+    # Before=swap.target with the default After=sysinit.target would be a cycle
+    assert u["DefaultDependencies"] == ["no"]
+    assert "man:agentzip-blk(1)" in u["Documentation"]
+    assert "agentzip-blk-health.timer" in u["Wants"]
+    for f in ("agent-sandbox.slice", "agent-sandbox-.slice.d/50-agentzip.conf"):
+        d = directives(src / f)
+        assert "agentzip-blk.service" in d["Unit"]["After"], f
+        assert "agentzip-blk.service" in d["Unit"]["Wants"], f
+        assert d["Slice"]["ManagedOOMPreference"] == ["omit"], f
+        assert "slices.target" not in d["Unit"].get("Before", []), f
+    health = directives(src / "agentzip-blk-health.service")
+    assert health["Service"]["Type"] == ["oneshot"]
+    assert health["Service"]["ExecStart"][1:] == ["status"]  # exit 3/4 -> unit failed
+    assert health["Unit"]["Requisite"] == ["agentzip-blk.service"]
+    timer = directives(src / "agentzip-blk-health.timer")
+    assert timer["Timer"]["OnUnitActiveSec"] == ["30s"]
+    assert timer["Unit"]["PartOf"] == ["agentzip-blk.service"]
+    for f in src.rglob("*"):
+        if f.is_file() and "Description" in f.read_text():
+            assert "Documentation" in directives(f)["Unit"], f
+
+
+@needs_analyze
+def test_verify_catches_an_ordering_cycle(tmp_path):
+    """Negative control for the order: without DefaultDependencies=no, Before=swap.target
+    closes a cycle through sysinit.target, and verify (on the system's units too) says so."""
+    res = units_install.install(str(tmp_path), _bin())
+    svc = Path(res.unit_dir) / "agentzip-blk.service"
+    svc.write_text(svc.read_text().replace("DefaultDependencies=no\n", ""))
+    r = verify(Path(res.unit_dir), ["agentzip-blk.service"])
+    assert "ordering cycle" in r.stdout + r.stderr
 
 
 @needs_analyze

@@ -259,7 +259,8 @@ def test_nbdkit_command_matches_interfaces():
                          "/run/a/nbdkit.pid", config_path="/etc/agentzip/config.yaml",
                          size=1 << 30)
     assert cmd == ["nbdkit", "-f", "-U", "/run/a/nbd.sock", "-P", "/run/a/nbdkit.pid",
-                   "python", "/x/nbdkit/agentzip_plugin.py",
+                   "--filter=ip", "python", "/x/nbdkit/agentzip_plugin.py",
+                   f"allow=uid:{os.geteuid()}", "deny=all",
                    "config=/etc/agentzip/config.yaml", f"size={1 << 30}",
                    "control=/run/a/control.sock"]
     assert "-f" not in nbdkit_command("/p.py", "/s", None, "/pid", foreground=False)
@@ -486,7 +487,7 @@ def test_stale_state_is_cleaned(run_dir):
     # a state file whose processes are long gone (pid 1 is not our nbdkit)
     stale = runstate.RunState(run_dir=run_dir, plugin="memory",
                             nbd_socket=os.path.join(run_dir, "nbd.sock"), size=SIZE,
-                            nbdkit_pid=1, device="/dev/loop-nonexistent")
+                            nbdkit_pid=1, device="/dev/loop999999")  # no such loop device
     stale.save()
     st = attach.up(_config(run_dir), None, run_dir, priority=7, size=SIZE, plugin="memory")
     try:

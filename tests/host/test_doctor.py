@@ -165,3 +165,42 @@ def test_gather_reads_the_old_names_from_the_file(tmp_path):
     assert config.compression.frame_pages == 4  # the alias is accepted
     f = doctor.gather(str(tmp_path / "run"), config, config_path=str(path))
     assert f.old_config_keys == [("compression.unit_pages", "compression.frame_pages")]
+
+
+# --- systemd-oomd ------------------------------------------------------------------------------
+
+def test_oomd_rule():
+    assert by_name(diagnose(healthy()))["systemd-oomd"].status == PASS  # not running
+    assert by_name(diagnose(healthy(oomd_active=True, oomd_omit=True)))["systemd-oomd"].status == PASS
+    c = by_name(diagnose(healthy(oomd_active=True, oomd_omit=False)))["systemd-oomd"]
+    assert c.status == FAIL and "ManagedOOMPreference=omit" in c.detail and "install-units" in c.fix
+    c = by_name(diagnose(healthy(oomd_active=True, oomd_omit=None)))["systemd-oomd"]
+    assert c.status == FAIL and "not installed" in c.detail
+
+
+def test_oomd_read_from_a_root_with_the_real_units(tmp_path):
+    """The facts: a process named systemd-oomd in ROOT/proc, and the units install-units
+    writes (the shipped ones say omit; without the line, they do not)."""
+    from agentzip_blk.fleet import systemd as units
+    assert doctor.oomd(str(tmp_path)) == (False, None)
+    (tmp_path / "proc/4242").mkdir(parents=True)
+    (tmp_path / "proc/4242/comm").write_text("systemd-oomd\n")
+    assert doctor.oomd(str(tmp_path)) == (True, None)
+    units.install(str(tmp_path), "/usr/bin/agentzip-blk")  # ROOT/etc/systemd/system
+    assert doctor.oomd(str(tmp_path)) == (True, True)
+    drop = tmp_path / "etc/systemd/system/agent-sandbox-.slice.d/50-agentzip.conf"
+    drop.write_text(drop.read_text().replace("ManagedOOMPreference=omit", ""))
+    assert doctor.oomd(str(tmp_path)) == (True, False)
+    (tmp_path / "etc/systemd/system/agent-sandbox-.slice.d/60-local.conf").write_text(
+        "[Slice]\nManagedOOMPreference=omit\n")  # a later drop-in sets it again
+    assert doctor.oomd(str(tmp_path)) == (True, True)
+
+
+def test_doctor_cli_reports_oomd_in_a_separate_process(tmp_path):
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "agentzip_blk.cli", "--run-dir", str(tmp_path),
+                        "doctor", "--json"], capture_output=True, text=True, timeout=120)
+    names = {c["name"]: c for c in json.loads(r.stdout)["checks"]}
+    assert names["systemd-oomd"]["status"] in (PASS, FAIL)
+    assert ("not running" in names["systemd-oomd"]["detail"]) == (doctor.oomd()[0] is False)

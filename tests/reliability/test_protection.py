@@ -153,15 +153,9 @@ def test_down_refuses_to_stop_server_under_swap(tmp_path, swap_locked):
             assert procfs.swap_area(state.device) is not None
             assert procs.pid_alive(state.nbdkit_pid)
             assert support.request(state.control_socket, "ping")["pid"] == state.nbdkit_pid
-            # the CLI's down, with the same do-nothing swapoff recorded in the state
-            fake.save()
-            from agentzip_blk import cli
-            assert cli.main(["--run-dir", run_dir, "down", "--force"]) != 0
-            assert procs.pid_alive(state.nbdkit_pid)
-            assert procfs.swap_area(state.device) is not None
-            ok = runstate.RunState.load(run_dir)
-            ok.tools = {}
-            ok.save()
+            # (the CLI's down once ran a do-nothing swapoff recorded in state.json; tool
+            # paths are no longer saved or read from it, issue 16, so only the in-process
+            # override above can stand in for a swapoff that leaves the area)
         assert procfs.swap_area(state.device) is None
         assert not procs.pid_alive(state.nbdkit_pid)
     finally:

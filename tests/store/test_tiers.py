@@ -329,7 +329,10 @@ def test_failed_writeback_during_demotion_keeps_pages_in_the_pool(tmp_path, monk
     def failing_sync(self):
         raise DiskError("fdatasync: Input/output error")
 
+    # the demotion syncs its batch outside the store lock (sync_written); requests that
+    # write straight to disk sync under it (drop_cache): both fail here
     monkeypatch.setattr(DiskTier, "drop_cache", failing_sync)
+    monkeypatch.setattr(DiskTier, "sync_written", failing_sync)
     assert store.maintain()["demoted"] == 0
     assert store.stats()["tiers"]["disk"]["pages"] == 0
     assert store.disk.live_bytes == 0  # the copies' extents were given back

@@ -27,6 +27,10 @@ class TunerSettings:
     mode: str = "reclaim"
     fault_cost_us: float = 200.0  # stall per major fault / refault, for the v1 estimate
     min_step: int = 1 * MiB  # do not bother the kernel for less
+    # v2 memory.swap.max of kubelet Pod cgroups (kubepods*): the kubelet's
+    # memorySwap.swapBehavior owns it, so the tuner leaves it alone unless told (tune
+    # --pod-swap-max); docs/KUBERNETES.md
+    pod_swap_max: bool = False
 
     @classmethod
     def from_config(cls, config, **overrides) -> "TunerSettings":

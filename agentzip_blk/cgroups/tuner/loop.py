@@ -15,13 +15,19 @@ from ..ledger import Ledger
 from ..scopes import covered, scoped_cgroups
 from .controller import Controller, Decision, PressureMeter, TunerSettings
 
-__all__ = ["Tuner"]
+__all__ = ["Tuner", "kubelet_managed"]
 
 
 @dataclass
 class _Tracked:
     controller: Controller
     prepared: list[str] = field(default_factory=list)
+
+
+def kubelet_managed(rel: str) -> bool:
+    """A cgroup at or below the kubelet's kubepods tree (both cgroup drivers)."""
+    return any(part == "kubepods" or part.startswith(("kubepods.", "kubepods-"))
+               for part in rel.split("/"))
 
 
 class Tuner:
@@ -165,6 +171,12 @@ class Tuner:
         return decisions
 
     def _prepare(self, rel: str) -> list[str]:
+        if self.backend.version == 2 and kubelet_managed(rel) and not self.s.pod_swap_max:
+            # v2 prepare writes memory.swap.max only; the kubelet sets it per container from
+            # memorySwap.swapBehavior, and we do not override that behind its back
+            self._stamp(f"{rel}: memory.swap.max left to the kubelet (a Pod cgroup: "
+                        "memorySwap.swapBehavior decides; tune --pod-swap-max to write it)")
+            return ["kubelet"]
         try:
             done = self.backend.prepare(rel, self.s.floor)
         except CgroupError as e:

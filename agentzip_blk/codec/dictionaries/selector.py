@@ -1,4 +1,5 @@
-"""Per write request: which encoder (no dictionary, or one of the candidates) compresses it."""
+"""Per write request: which encoder (no dictionary, or one of the candidates) compresses it:
+its pages compressed alone (`Selector`) or its frames (`Selector(..., frames=True)`)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..codecs import ZSTD, ZstdCodec
+from ..codecs import ZSTD, Codec, PooledCodec
 from .registry import DictionaryRegistry, LoadedDict
 
 
 @dataclass
 class Choice:
-    codec: ZstdCodec
+    codec: Codec | PooledCodec
     dict_id: int
     sample: int = -1  # index (in the request's page list) of the trial page, or -1
     sample_out: bytes | None = None  # the winner's output for that page (reused, not redone)
@@ -39,11 +40,20 @@ class Selector:
     rest of the request about as often (measured on V8 heaps; and a dictionary costs ~30%
     compression speed). When few trials find a dictionary worth it, the budget shrinks to
     `min_budget`, so a workload dictionaries do not help pays (almost) nothing.
+
+    With `frames`, the units are the request's frames (`writer` is the frame codec): credits
+    are earned per frame and a trial compresses one whole frame with each candidate (a
+    dictionary primes only a frame's first pages, so one page would overstate its gain).
+    Trials of a dictionary no request has chosen yet load nothing (LoadedDict.trial); the
+    winner is loaded. The selector may be called from several request threads at once:
+    the codecs it uses are pooled, and a lost update of its credits only shifts a trial.
     """
 
-    def __init__(self, writer: ZstdCodec, registry: DictionaryRegistry | None,
-                 budget: float = 0.05, min_budget: float = 0.01, margin: float = 0.02) -> None:
+    def __init__(self, writer: Codec | PooledCodec, registry: DictionaryRegistry | None,
+                 budget: float = 0.05, min_budget: float = 0.01, margin: float = 0.02,
+                 frames: bool = False) -> None:
         self.writer = writer
+        self.frames = frames
         self.registry = registry
         self.max_budget = budget
         self.min_budget = min_budget
@@ -51,28 +61,38 @@ class Selector:
         self.margin = margin
         self.credits = 0.0
         self._sticky: LoadedDict | None = None
+        self._candidates: tuple[LoadedDict, ...] = ()
         self._window_wins = 0  # trials in the current window that chose a dictionary
         self.stats = SelectionStats()
         self._clock = time.perf_counter
 
     @property
     def active(self) -> bool:
-        return self.registry is not None and bool(self.registry.candidates) and self.writer.id == ZSTD
+        return bool(self._of(self.registry)) and self.writer.id == ZSTD
+
+    def _of(self, registry: DictionaryRegistry | None) -> tuple[LoadedDict, ...]:
+        if registry is None:
+            return ()
+        return registry.frame_candidates if self.frames else registry.candidates
 
     def choose(self, pages: Sequence) -> Choice:
-        """`pages`: the request's pages that will be compressed (not same-filled)."""
+        """`pages`: the request's pages that will be compressed (not same-filled), or with
+        `frames` its frames (each the joined bytes of its pages)."""
         registry = self.registry
-        candidates = registry.candidates if registry is not None else ()
+        candidates = self._of(registry)
         if not candidates or not pages or self.writer.id != ZSTD:
             return Choice(self.writer, 0)
         self.stats.requests += 1
         cost = len(candidates)
         self.credits = min(self.credits + len(pages) * self.budget, 4.0 * cost + 1)
+        if candidates is not self._candidates:  # one was adopted or retired: try them now
+            self._candidates = candidates
+            self.credits = max(self.credits, float(cost))
         sticky = self._sticky
         if self.credits < cost and (sticky is None or sticky.candidate):
             if sticky is None:
                 return Choice(self.writer, 0)
-            return Choice(sticky.codec, sticky.id)
+            return Choice(self._codec(sticky), sticky.id)
         self.credits = max(0.0, self.credits - cost)
         t0 = self._clock()
         index = len(pages) // 2
@@ -80,12 +100,14 @@ class Selector:
         none_out = self.writer.compress(page)
         best_out, best = none_out, None
         for entry in candidates:
-            out = entry.codec.compress(page)
+            out = entry.trial(page, self.frames)
             if len(out) < len(best_out):
                 best_out, best = out, entry
         if best is not None and len(none_out) - len(best_out) < self.margin * len(none_out):
             best_out, best = none_out, None  # not worth a dictionary
         self._sticky = best
+        if best is not None:
+            best.load(self.frames)  # chosen: from now on it has codecs of its own
         st = self.stats
         st.trials += 1
         st.extra_compressions += cost
@@ -95,7 +117,10 @@ class Selector:
         st.seconds += self._clock() - t0
         if best is None:
             return Choice(self.writer, 0, index, best_out)
-        return Choice(best.codec, best.id, index, best_out)
+        return Choice(self._codec(best), best.id, index, best_out)
+
+    def _codec(self, entry: LoadedDict) -> Codec | PooledCodec:
+        return entry.frame_codec if self.frames else entry.codec
 
     def _adapt(self, dictionary_won: bool) -> None:
         self._window_wins += dictionary_won

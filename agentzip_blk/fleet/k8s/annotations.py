@@ -41,13 +41,22 @@ class PodSettings:
 
 
 def has_any(annotations: dict | None) -> bool:
-    return any(k.startswith(PREFIX) for k in (annotations or {}))
+    return isinstance(annotations, dict) and any(
+        isinstance(k, str) and k.startswith(PREFIX) for k in annotations)
 
 
 def parse(annotations: dict | None) -> PodSettings | None:
     """None when the Pod carries no agentzip.io/ annotation; else its settings.
-    Raises AnnotationError naming every bad annotation and value."""
-    ann = {k: v for k, v in (annotations or {}).items() if k.startswith(PREFIX)}
+    Raises AnnotationError naming every bad annotation and value (also for a metadata.annotations
+    that is not a map of strings: the API server guarantees one, a hand-made object may not)."""
+    if annotations is not None and not isinstance(annotations, dict):
+        raise AnnotationError([f"metadata.annotations must be a map, got "
+                               f"{type(annotations).__name__}"])
+    ann = {k: v for k, v in (annotations or {}).items()
+           if isinstance(k, str) and k.startswith(PREFIX)}
+    bad = sorted(k for k, v in ann.items() if not isinstance(v, str))
+    if bad:
+        raise AnnotationError([f"{k} must be a string, got {type(ann[k]).__name__}" for k in bad])
     if not ann:
         return None
     problems: list[str] = []

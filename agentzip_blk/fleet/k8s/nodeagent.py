@@ -1,7 +1,8 @@
 """Node agent: keep the scopes in step with the annotated Pods on this node.
 
-Each round lists the node's Pods (kubelet ``/pods``, or the API server with
-``fieldSelector=spec.nodeName=NODE``), picks the running ones with ``agentzip.io/enable:
+Each round lists the node's Pods (the API server with ``fieldSelector=spec.nodeName=NODE``:
+the least-privilege source, a plain ``pods list``; or the kubelet's ``/pods``, which RBAC
+authorizes as ``nodes/proxy`` and which this project's manifests no longer grant), picks the running ones with ``agentzip.io/enable:
 "true"`` (and valid annotations), maps each Pod UID + QoS class to its cgroup
 (``podcgroup``) and adds the leaf cgroup name as a scope through ``agentzip_blk.scopes``.
 Scopes it added for Pods that are gone, finished or no longer annotated are removed (and the
@@ -19,6 +20,16 @@ level other than the node's gets a log line "level N requested, node compresses 
 operator who wants a Pod compressed harder runs it on nodes whose config sets that level
 (e.g. a node label + nodeSelector per level). Enable/disable *is* honored per Pod.
 
+Robustness: one malformed Pod (a non-map field, a Pod UID that is not 8..64 of ``[0-9a-f-]``)
+is skipped with a log line and counted in ``RoundResult.skipped``; the rest of the round goes
+on. TLS: the peer is always verified (the cluster CA, or the kubelet's serving CA given as a
+file); ``http_fetch`` refuses to send a bearer token over an unverified connection.
+
+Kubelet swap settings: every round reads the kubelet's config file (``host.kubelet``) and
+reports ``failSwapOn`` / ``memorySwap.swapBehavior`` in ``RoundResult.kubelet``, with a log
+line whenever the verdict changes: with ``NoSwap`` the Pods it scopes get no swap (the kubelet
+sets their containers' ``memory.swap.max`` to 0), whatever the tuner does.
+
 The HTTP source is injectable (``fetch``: url -> parsed JSON) so tests serve recorded
 PodList JSON from a local server.
 """
@@ -35,8 +46,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ...host.kubelet import DEFAULT_KUBELET_CONFIG, read_kubelet_swap, verdict
 from . import annotations as ann
-from .podcgroup import pod_cgroup, qos_class, scope_glob
+from .podcgroup import pod_cgroup, qos_class, scope_glob, valid_uid
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +59,18 @@ CA_PATH = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
 Fetch = Callable[[str], dict]
 
 
+class InsecureToken(ValueError):
+    """A bearer token would go to a peer whose certificate is not checked."""
+
+
 def http_fetch(token: str | None = None, cafile: str | None = None, insecure: bool = False,
                timeout: float = 10.0) -> Fetch:
-    """GET url -> JSON, with a bearer token and the cluster CA (or no verification, which the
-    kubelet's self-signed serving cert often needs)."""
+    """GET url -> JSON, with a bearer token, verifying the server against *cafile* (or the
+    system's CAs). ``insecure`` (no verification) is for tests against a local server and
+    never goes with a token: whoever answers would get the service account's credentials."""
+    if insecure and token:
+        raise InsecureToken("refusing to send a bearer token without TLS verification: give "
+                            "the server's CA file instead")
     ctx = None
     if insecure:
         ctx = ssl.create_default_context()
@@ -94,64 +114,110 @@ class RoundResult:
     added: list[str] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
     invalid: dict[str, str] = field(default_factory=dict)  # namespace/name -> problem
+    skipped: dict[str, str] = field(default_factory=dict)  # malformed items -> why
     levels: dict[str, int] = field(default_factory=dict)  # requested level -> Pods
     node_level: int | None = None
+    kubelet: dict | None = None  # {"status", "detail", "fix", "pods_swap"}
 
     def to_dict(self) -> dict:
         return {"pods": [vars(p) for p in self.wanted], "added": self.added,
-                "removed": self.removed, "invalid": self.invalid, "levels": self.levels,
-                "node_level": self.node_level}
+                "removed": self.removed, "invalid": self.invalid, "skipped": self.skipped,
+                "levels": self.levels, "node_level": self.node_level, "kubelet": self.kubelet}
 
 
-def wanted_pods(pod_list: dict, driver: str, node: str | None = None
+def _pod_scope(pod: dict, driver: str, node: str | None) -> PodScope | None:
+    """One PodList item -> its scope, or None when it should not be in scope. Raises
+    AnnotationError for bad annotations and anything else for a malformed item."""
+    md = pod.get("metadata") or {}
+    if node and (pod.get("spec") or {}).get("nodeName") not in (None, node):
+        return None
+    if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+        return None  # its cgroup is gone or going
+    settings = ann.parse(md.get("annotations"))
+    if settings is None or not settings.enabled:
+        return None
+    uid = md.get("uid")
+    if not valid_uid(uid):  # it becomes a cgroup path and a glob: nothing but [0-9a-f-]
+        raise ValueError(f"Pod UID {str(uid)[:80]!r} is not 8..64 of [0-9a-f-]")
+    qos = qos_class(pod)
+    ns, name = md.get("namespace", ""), md.get("name", "")
+    if not isinstance(ns, str) or not isinstance(name, str):
+        raise ValueError("metadata.namespace/name are not strings")
+    return PodScope(ns, name, uid, qos, pod_cgroup(uid, qos, driver),
+                    scope_glob(uid, qos, driver), settings.level)
+
+
+def _item_key(pod: object, index: int) -> str:
+    md = pod.get("metadata") if isinstance(pod, dict) else None
+    if isinstance(md, dict) and isinstance(md.get("name"), str):
+        return f"{md.get('namespace', '')}/{md['name']}"
+    return f"items[{index}]"
+
+
+def wanted_pods(pod_list: dict, driver: str, node: str | None = None,
+                skipped: dict[str, str] | None = None
                 ) -> tuple[list[PodScope], dict[str, str]]:
-    """The Pods of a PodList that should be in scope, and the ones with bad annotations."""
-    if pod_list.get("kind") not in ("PodList", None) or not isinstance(pod_list.get("items"), list):
-        raise ValueError(f"expected a PodList, got kind {pod_list.get('kind')!r}")
+    """The Pods of a PodList that should be in scope, and the ones with bad annotations.
+    Malformed items go to *skipped* (key -> why) with a log line; the others are processed."""
+    if not isinstance(pod_list, dict) or pod_list.get("kind") not in ("PodList", None) \
+            or not isinstance(pod_list.get("items"), list):
+        kind = pod_list.get("kind") if isinstance(pod_list, dict) else type(pod_list).__name__
+        raise ValueError(f"expected a PodList, got kind {kind!r}")
     out, invalid = [], {}
-    for pod in pod_list["items"]:
-        md = pod.get("metadata") or {}
-        key = f"{md.get('namespace', '')}/{md.get('name', '')}"
-        if node and (pod.get("spec") or {}).get("nodeName") not in (None, node):
-            continue
-        if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
-            continue  # its cgroup is gone or going
+    skipped = {} if skipped is None else skipped
+    for i, pod in enumerate(pod_list["items"]):
+        key = _item_key(pod, i)
         try:
-            settings = ann.parse(md.get("annotations"))
+            if not isinstance(pod, dict):
+                raise ValueError(f"item is a {type(pod).__name__}, not an object")
+            p = _pod_scope(pod, driver, node)
         except ann.AnnotationError as e:  # admitted before the webhook, or webhook bypassed
             invalid[key] = str(e)
             continue
-        if settings is None or not settings.enabled or not md.get("uid"):
+        except Exception as e:  # one bad item must not stop the round for every other Pod
+            skipped[key] = f"{type(e).__name__}: {e}"
+            log.warning("%s: skipped malformed Pod: %s", key, skipped[key])
             continue
-        qos = qos_class(pod)
-        out.append(PodScope(md.get("namespace", ""), md.get("name", ""), md["uid"], qos,
-                            pod_cgroup(md["uid"], qos, driver), scope_glob(md["uid"], qos, driver),
-                            settings.level))
+        if p is not None:
+            out.append(p)
     return out, invalid
 
 
 class NodeAgent:
     def __init__(self, fetch: Fetch, url: str, driver: str, config_path: str | None,
-                 run_dir: str, node: str | None = None, release: bool = True) -> None:
+                 run_dir: str, node: str | None = None, release: bool = True,
+                 state_dir: str | None = None,
+                 kubelet_config: str | None = DEFAULT_KUBELET_CONFIG) -> None:
         if driver not in ("systemd", "cgroupfs"):
             raise ValueError(f"cgroup driver {driver!r} (expected systemd or cgroupfs)")
         self.fetch, self.url, self.driver = fetch, url, driver
         self.config_path, self.run_dir, self.node = config_path, run_dir, node
-        self.release = release  # restore tuner settings of cgroups that left the scopes
+        # restore tuner settings of cgroups that left the scopes (needs the run dir's ledger
+        # and cgroupfs; the tuner does the same every step, so a DaemonSet turns it off)
+        self.release = release
+        self.state_dir = state_dir or run_dir  # where the owned-globs file lives
+        self.kubelet_config = kubelet_config  # None: do not look
+        self._kubelet_said: tuple | None = None
+        self._qos_said: set[str] = set()  # Pod UIDs already told they get no swap
 
     # -- the globs we own ----------------------------------------------------------------
     def _state_path(self) -> str:
-        return os.path.join(self.run_dir, STATE_FILE)
+        return os.path.join(self.state_dir, STATE_FILE)
 
     def owned(self) -> list[str]:
         try:
             with open(self._state_path()) as f:
-                return list(json.load(f).get("globs", []))
+                globs = json.load(f).get("globs", [])
         except FileNotFoundError:
             return []
+        except (ValueError, AttributeError) as e:  # a torn or hand-edited file: start afresh
+            log.warning("%s unreadable (%s): scopes added before are no longer tracked",
+                        self._state_path(), e)
+            return []
+        return [g for g in globs if isinstance(g, str)]
 
     def _save(self, globs: list[str]) -> None:
-        os.makedirs(self.run_dir, exist_ok=True)
+        os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
         tmp = self._state_path() + ".tmp"
         with open(tmp, "w") as f:
             json.dump({"globs": sorted(globs)}, f)
@@ -162,8 +228,11 @@ class NodeAgent:
         from ...cgroups import ledger, scopes
         from ...config import load_config
 
-        pods, invalid = wanted_pods(self.fetch(self.url), self.driver, self.node)
-        res = RoundResult(wanted=pods, invalid=invalid)
+        res = RoundResult()
+        res.wanted, res.invalid = wanted_pods(self.fetch(self.url), self.driver, self.node,
+                                              res.skipped)
+        pods = res.wanted
+        self._check_kubelet(res)
         try:
             res.node_level = load_config(self.config_path).compression.level
         except FileNotFoundError:
@@ -174,7 +243,7 @@ class NodeAgent:
                 if res.node_level is not None and p.level != res.node_level:
                     log.info("%s/%s: level %d requested, node compresses at %d (one level "
                              "per node)", p.namespace, p.name, p.level, res.node_level)
-        for key, problem in invalid.items():
+        for key, problem in res.invalid.items():
             log.warning("%s: annotations ignored: %s", key, problem)
 
         existing = {s.cgroup: s for s in scopes.list_scopes(self.config_path)}
@@ -200,6 +269,24 @@ class NodeAgent:
             except Exception as e:  # restoring is best effort; the next round retries
                 log.warning("restoring settings of removed Pods: %s", e)
         return res
+
+    def _check_kubelet(self, res: RoundResult) -> None:
+        """The kubelet's swap settings into the result; a log line when the verdict changes."""
+        if self.kubelet_config is None:
+            return
+        k = read_kubelet_swap(self.kubelet_config)
+        status, detail, fix = verdict(k)
+        res.kubelet = {"status": status, "detail": detail, "fix": fix, "pods_swap": k.pods_swap}
+        if (status, detail) != self._kubelet_said:
+            self._kubelet_said = (status, detail)
+            (log.info if status == "pass" else log.warning)(
+                "kubelet swap: %s%s", detail, f" (fix: {fix})" if fix else "")
+        if k.pods_swap:
+            for p in res.wanted:
+                if p.qos != "Burstable" and p.uid not in self._qos_said:
+                    self._qos_said.add(p.uid)
+                    log.info("%s/%s is %s: LimitedSwap gives it no swap (Burstable Pods only)",
+                             p.namespace, p.name, p.qos)
 
     def run(self, interval: float, rounds: int | None = None) -> None:
         n = 0

@@ -21,6 +21,13 @@ The scope added for a Pod is the *leaf* name alone (unique: it carries the UID),
 
 from __future__ import annotations
 
+import re
+
+# A Pod UID becomes part of a cgroup path and a scope glob: lowercase hex and "-" only (RFC
+# 4122 UIDs from the API server, 32-hex config hashes of static Pods), so that no UID can
+# name "..", a "/", a glob character or another Pod's prefix.
+UID_RE = re.compile(r"[0-9a-f-]{8,64}")
+
 QOS_CLASSES = ("Guaranteed", "Burstable", "BestEffort")
 DRIVERS = ("systemd", "cgroupfs")
 
@@ -47,12 +54,16 @@ def qos_class(pod: dict) -> str:
     return "Guaranteed" if guaranteed else "Burstable"
 
 
+def valid_uid(uid: object) -> bool:
+    return isinstance(uid, str) and UID_RE.fullmatch(uid) is not None
+
+
 def pod_cgroup(uid: str, qos: str, driver: str) -> str:
     """The Pod's cgroup, relative to the hierarchy root."""
     if qos not in QOS_CLASSES:
         raise ValueError(f"QoS class {qos!r} (expected one of {', '.join(QOS_CLASSES)})")
-    if not uid or "/" in uid:
-        raise ValueError(f"bad Pod UID {uid!r}")
+    if not valid_uid(uid):
+        raise ValueError(f"bad Pod UID {uid!r} (expected 8..64 of [0-9a-f-])")
     if driver == "cgroupfs":
         mid = {"Guaranteed": "", "Burstable": "/burstable", "BestEffort": "/besteffort"}[qos]
         return f"/kubepods{mid}/pod{uid}"

@@ -12,6 +12,15 @@ Anything else (other kinds, DELETE, CONNECT) is allowed untouched. The response 
 echoes ``request.uid``. The HTTP server is the stdlib's (``http.server`` + ``ssl``, TLS 1.2+):
 it has one route, ``POST /mutate`` (also ``/``), JSON in and out, bodies up to 4 MiB;
 ``GET /healthz`` answers ``ok`` for the readiness probe.
+
+A malformed review never takes the server down or goes unanswered: anything ``review``
+raises becomes one log line and an HTTP 400 for that request alone.
+
+Certificate rotation (cert-manager renews the Secret; the kubelet swaps the mounted files
+through a symlink): every new connection compares the (inode, size, mtime) of the cert and
+key files with those the current ``SSLContext`` was built from, and builds a new one when
+they differ. A pair that does not load (cert renewed, key not yet) keeps the old context
+and is retried on the next connection: no restart, no window without a certificate.
 """
 
 from __future__ import annotations
@@ -19,7 +28,9 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
 import ssl
+import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from . import annotations as ann
@@ -63,11 +74,12 @@ def review(body: dict) -> dict:
     if kind.get("kind") != "Pod" or kind.get("group", "") != "" or not isinstance(pod, dict) \
             or req.get("operation") not in ("CREATE", "UPDATE"):
         return out
-    name = (pod.get("metadata") or {}).get("name") or (pod.get("metadata") or {}).get(
-        "generateName", "") or req.get("name", "")
+    md = pod.get("metadata")
+    md = md if isinstance(md, dict) else {}
+    name = md.get("name") or md.get("generateName", "") or req.get("name", "")
     where = f"{req.get('namespace', '')}/{name}"
     try:
-        settings = ann.parse((pod.get("metadata") or {}).get("annotations"))
+        settings = ann.parse(md.get("annotations"))
     except ann.AnnotationError as e:
         resp["allowed"] = False
         resp["status"] = {"code": 400, "reason": "Invalid", "message": f"agentzip: {e}"}
@@ -119,6 +131,12 @@ class Handler(BaseHTTPRequestHandler):
         except (ValueError, BadReview) as e:  # JSONDecodeError is a ValueError
             self._send(400, json.dumps({"error": str(e)}).encode())
             return
+        except Exception as e:  # a shape review() did not foresee: this request fails alone
+            log.warning("malformed review from %s: %s: %s", self.address_string(),
+                        type(e).__name__, e)
+            self._send(400, json.dumps({"error": f"malformed AdmissionReview: "
+                                                 f"{type(e).__name__}"}).encode())
+            return
         self._send(200, json.dumps(out).encode())
 
     def log_message(self, fmt: str, *args) -> None:  # route to logging, not stderr
@@ -132,18 +150,58 @@ def tls_context(certfile: str, keyfile: str) -> ssl.SSLContext:
     return ctx
 
 
+def _signature(path: str) -> tuple[int, int, int, int]:
+    st = os.stat(path)  # follows the kubelet's ..data symlink: a swap changes the inode
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class ReloadingContext:
+    """The server's SSLContext, rebuilt when the cert or key file changes (see the module
+    docstring). ``current()`` is called once per accepted connection."""
+
+    def __init__(self, certfile: str, keyfile: str):
+        self.certfile, self.keyfile = certfile, keyfile
+        self._lock = threading.Lock()
+        self._sig = (_signature(certfile), _signature(keyfile))
+        self._ctx = tls_context(certfile, keyfile)  # the first load must work: fail at start
+        self.reloads = 0
+
+    def current(self) -> ssl.SSLContext:
+        try:
+            sig = (_signature(self.certfile), _signature(self.keyfile))
+        except OSError as e:  # mid-swap: a file briefly missing; keep serving the old pair
+            log.warning("TLS files: %s; keeping the loaded certificate", e)
+            return self._ctx
+        if sig == self._sig:
+            return self._ctx
+        with self._lock:
+            if sig != self._sig:
+                try:
+                    self._ctx = tls_context(self.certfile, self.keyfile)
+                except (ssl.SSLError, OSError) as e:
+                    log.warning("new TLS certificate does not load yet (%s); keeping the "
+                                "old one", e)
+                    return self._ctx
+                self._sig = sig
+                self.reloads += 1
+                log.info("TLS certificate reloaded from %s", self.certfile)
+        return self._ctx
+
+
 class TLSServer(ThreadingHTTPServer):
     """Handshake per connection in its handler thread: a slow client stalls only itself."""
 
     daemon_threads = True
 
-    def __init__(self, addr, handler, context: ssl.SSLContext):
-        self.context = context
+    def __init__(self, addr, handler, context: ssl.SSLContext | ReloadingContext):
+        self.contexts = context
         super().__init__(addr, handler)
 
     def get_request(self):
         sock, addr = super().get_request()
-        return self.context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), addr
+        c = self.contexts
+        ctx = c.current() if isinstance(c, ReloadingContext) else c
+        return ctx.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), addr
 
     def finish_request(self, request, client_address):
         request.settimeout(30)
@@ -156,4 +214,4 @@ class TLSServer(ThreadingHTTPServer):
 
 
 def make_server(listen: tuple[str, int], certfile: str, keyfile: str) -> TLSServer:
-    return TLSServer(listen, Handler, tls_context(certfile, keyfile))
+    return TLSServer(listen, Handler, ReloadingContext(certfile, keyfile))

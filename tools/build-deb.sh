@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# Build the Debian package: tools/build-deb.sh [OUT_DIR]  ->  OUT_DIR/agentzip-blk_VERSION_ARCH.deb
+# (OUT_DIR defaults to dist/; VERSION is pyproject.toml's). Needs dpkg-deb, cc, strip, gzip and
+# a Python ($PYTHON, default .venv/bin/python, as setup.sh makes it) with the package's
+# dependencies and its `package` extra (argparse-manpage, shtab). No root, no network.
+#
+# What is in it, and why (measured on Debian 12, tests/test_deb.py):
+# - /usr/lib/agentzip-blk/agentzip_blk: the package, in a private directory run by
+#   /usr/bin/agentzip-blk (tools/debian/agentzip-blk.launcher). Its dependencies are Debian's
+#   python3-* packages (Depends) wherever bookworm's version works: numpy 1.24, yaml 6.0,
+#   ruamel.yaml 0.17.21, prometheus-client 0.16, sortedcontainers 2.4, lz4 4.0.2, xxhash 3.2
+#   (the suite's non-swap tests pass on them; pyproject.toml's floors say the same).
+# - /usr/lib/agentzip-blk/zstandard: the one vendored dependency, copied from $PYTHON's own
+#   install: bookworm's python3-zstandard 0.20 fails to decode the store's frames ("error
+#   determining content size from frame header": they carry no content size; 0.22 and 0.23
+#   fail the same way, 0.24 passes). It is compiled for CPython 3.11, hence python3 (<< 3.12)
+#   in Depends.
+# - /usr/lib/agentzip-blk/libagentzip-mlock.so: nbdfuse's mlockall preload shim (host/chain.py),
+#   compiled here so that `up` needs no C compiler on the host.
+#   Those two ELF objects make the package Architecture: amd64 (the build host's), not all:
+#   lintian rejects ELF files in an arch-independent package, and neither can be avoided.
+# - the systemd units in /usr/lib/systemd/system (install-units with --unit-dir), the default
+#   /etc/agentzip/config.yaml (a conffile: every key commented out), the man page and the bash
+#   completion generated from the CLI parser (tools/debian/gen_docs.py), copyright, changelog.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=$(mkdir -p "${1:-dist}" && cd "${1:-dist}" && pwd)
+PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
+[ -x "$PYTHON" ] || PYTHON=python3
+DEB=tools/debian
+PKG=agentzip-blk
+LIBDIR=usr/lib/$PKG
+
+die() { echo "build-deb.sh: $*" >&2; exit 2; }
+for tool in dpkg-deb cc strip gzip; do
+    command -v "$tool" >/dev/null || die "$tool not found (apt-get install dpkg-dev gcc binutils gzip)"
+done
+VERSION=$("$PYTHON" -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')
+CHANGELOG_VERSION=$(sed -n '1s/^[^ ]* (\([^)]*\)).*/\1/p' "$DEB/changelog")
+[ "$VERSION" = "$CHANGELOG_VERSION" ] || \
+    die "pyproject.toml says $VERSION but $DEB/changelog's top entry is $CHANGELOG_VERSION: add an entry"
+ARCH=$(dpkg --print-architecture)
+# reproducible: file times and the man page date come from the changelog's top entry
+SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-$(date -d "$(sed -n 's/^ -- .*>  //p' "$DEB/changelog" | head -1)" +%s)}
+export SOURCE_DATE_EPOCH
+
+STAGE=$(mktemp -d)
+trap 'rm -rf "$STAGE"' EXIT
+S=$STAGE/$PKG
+mkdir -p "$S/DEBIAN" "$S/$LIBDIR" "$S/usr/bin" "$S/etc/agentzip" "$S/usr/share/man/man1" \
+         "$S/usr/share/bash-completion/completions" "$S/usr/share/doc/$PKG"
+
+# the package: its sources and package data, not what running it left behind
+(cd "$ROOT" && find agentzip_blk -type f ! -path '*/__pycache__/*' ! -name '*.pyc' ! -name '*.so' \
+    -print0 | xargs -0 cp --parents -t "$S/$LIBDIR")
+install -m 0755 "$DEB/agentzip-blk.launcher" "$S/usr/bin/$PKG"
+
+# vendored zstandard: the files of $PYTHON's installed distribution, licence aside
+ZSTD_LICENSE=$("$PYTHON" - "$S/$LIBDIR" <<'EOF'
+import shutil, sys
+from importlib.metadata import distribution
+from pathlib import Path
+import zstandard
+major, minor = (int(x) for x in zstandard.__version__.split(".")[:2])
+if (major, minor) < (0, 24):  # pyproject.toml's floor: older ones cannot read the store's frames
+    sys.exit(f"build-deb.sh: zstandard {zstandard.__version__} in {sys.executable} is older than 0.24")
+dist, dest, licence = distribution("zstandard"), Path(sys.argv[1]), ""
+for f in dist.files:
+    src = Path(dist.locate_file(f))
+    if "__pycache__" in f.parts or f.name.startswith("_cffi") or f.name == "backend_cffi.py":
+        continue  # the C backend is the one used; the cffi one would need python3-cffi
+    if f.parts[0] == "zstandard":
+        (dest / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, dest / f)
+    elif "licenses" in f.parts or f.name.upper().startswith("LICENSE"):
+        licence = src.read_text()
+if not licence:
+    sys.exit("build-deb.sh: zstandard's licence file not found in its dist-info")
+print("\n".join(" " + (line.rstrip() or ".") for line in licence.strip().splitlines()))
+EOF
+)
+
+# nbdfuse's mlock shim, compiled now (hardening flags as dpkg-buildflags gives them)
+PYTHONPATH=$ROOT "$PYTHON" -m agentzip_blk.host.chain "$S/$LIBDIR/libagentzip-mlock.so" \
+    -g0 -fstack-protector-strong -D_FORTIFY_SOURCE=2 -Wl,-z,relro -Wl,-z,now >/dev/null
+find "$S/$LIBDIR" -name '*.so' -exec strip --strip-unneeded --remove-section=.comment \
+    --remove-section=.note {} +
+
+# the units, with the packaged program in ExecStart=
+PYTHONPATH=$ROOT "$PYTHON" -m agentzip_blk.cli install-units --prefix "$S" \
+    --unit-dir usr/lib/systemd/system --bin /usr/bin/$PKG >/dev/null
+
+install -m 0644 "$DEB/config.yaml" "$S/etc/agentzip/config.yaml"
+echo /etc/agentzip/config.yaml > "$S/DEBIAN/conffiles"
+
+# man page and completion from the parser
+PYTHONPATH=$ROOT "$PYTHON" "$DEB/gen_docs.py" "$STAGE/docs"
+gzip -9n < "$STAGE/docs/$PKG.1" > "$S/usr/share/man/man1/$PKG.1.gz"
+install -m 0644 "$STAGE/docs/$PKG.bash" "$S/usr/share/bash-completion/completions/$PKG"
+
+# documentation
+awk -v lic="$ZSTD_LICENSE" '{ if ($0 == "@ZSTANDARD_LICENSE@") print lic; else print }' \
+    "$DEB/copyright" > "$S/usr/share/doc/$PKG/copyright"
+gzip -9n < "$DEB/changelog" > "$S/usr/share/doc/$PKG/changelog.gz"
+# uncompressed: the units' Documentation= names it (file:/usr/share/doc/agentzip-blk/README.md)
+install -m 0644 README.md "$S/usr/share/doc/$PKG/README.md"
+
+install -m 0755 "$DEB/postinst" "$DEB/prerm" "$S/DEBIAN/"
+DEPENDS="nbdkit, nbdkit-plugin-python, fuse3, util-linux (>= 2.38), mount, python3 (>= 3.11), python3 (<< 3.12),"
+DEPENDS+=" python3-numpy (>= 1:1.24), python3-yaml (>= 6.0), python3-ruamel.yaml (>= 0.17.21),"
+DEPENDS+=" python3-prometheus-client (>= 0.16), python3-sortedcontainers (>= 2.4),"
+DEPENDS+=" python3-lz4 (>= 4.0.2), python3-xxhash (>= 3.2), python3-cryptography (>= 38), libc6"
+SIZE=$(du -sk --exclude=DEBIAN "$S" | cut -f1)
+sed -e "s/@VERSION@/$VERSION/" -e "s/@ARCH@/$ARCH/" -e "s/@SIZE@/$SIZE/" -e "s/@DEPENDS@/$DEPENDS/" \
+    "$DEB/control.in" > "$S/DEBIAN/control"
+
+# permissions and times as a package wants them; md5sums of everything but DEBIAN/
+find "$S" -type d -exec chmod 0755 {} +
+find "$S" -type f ! -path "$S/DEBIAN/*" ! -path "$S/usr/bin/*" -exec chmod 0644 {} +
+(cd "$S" && find . -type f ! -path './DEBIAN/*' ! -path ./etc/agentzip/config.yaml -printf '%P\0' \
+    | sort -z | xargs -0 md5sum > DEBIAN/md5sums)
+chmod 0644 "$S/DEBIAN/md5sums" "$S/DEBIAN/control" "$S/DEBIAN/conffiles"
+find "$S" -exec touch -h -d "@$SOURCE_DATE_EPOCH" {} +
+
+FILE=$OUT/${PKG}_${VERSION}_${ARCH}.deb
+dpkg-deb --root-owner-group -Zxz --build "$S" "$FILE" >/dev/null
+echo "$FILE"
