@@ -19,7 +19,7 @@ APT_TEST_PACKAGES=(libnbd-bin python3-libnbd  # nbdfuse (the nbdfuse front door)
 # after the venv: the venv sees the system's packages (for python3-libnbd), and pip takes a
 # Debian package that meets a floor as installed; so on a fresh machine the venv gets PyPI's
 # versions, as before, and these serve /usr/bin/python3 only.
-APT_DEB_TEST_PACKAGES=(python3-numpy python3-yaml python3-ruamel.yaml python3-prometheus-client
+APT_DEB_TEST_PACKAGES=(python3-numpy python3-yaml python3-tqdm python3-prometheus-client
                        python3-sortedcontainers python3-lz4 python3-xxhash)
 VENV=.venv
 

@@ -178,7 +178,7 @@ def test_the_packaged_cli_runs_on_debian_python(installed, tmp_path):
     # its own files, Debian's dependencies, the vendored zstandard ahead of Debian's, and the
     # shipped config.yaml valid and meaning the defaults
     probe = ("import sys; sys.path.insert(0, sys.argv[1]); import agentzip_blk, zstandard, numpy; "
-             "import lz4, xxhash, yaml, ruamel.yaml, prometheus_client, sortedcontainers; "
+             "import lz4, xxhash, yaml, tqdm, cryptography, prometheus_client, sortedcontainers; "
              "from agentzip_blk.config.load import load_config; "
              "ok = load_config(sys.argv[2]) == load_config('/dev/null'); "
              "print(agentzip_blk.__file__, agentzip_blk.__version__, zstandard.__file__, "

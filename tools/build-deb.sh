@@ -8,7 +8,7 @@
 # - /usr/lib/agentzip-blk/agentzip_blk: the package, in a private directory run by
 #   /usr/bin/agentzip-blk (tools/debian/agentzip-blk.launcher). Its dependencies are Debian's
 #   python3-* packages (Depends) wherever bookworm's version works: numpy 1.24, yaml 6.0,
-#   ruamel.yaml 0.17.21, prometheus-client 0.16, sortedcontainers 2.4, lz4 4.0.2, xxhash 3.2
+#   tqdm 4.64, prometheus-client 0.16, sortedcontainers 2.4, lz4 4.0.2, xxhash 3.2, cryptography 38
 #   (the suite's non-swap tests pass on them; pyproject.toml's floors say the same).
 # - /usr/lib/agentzip-blk/zstandard: the one vendored dependency, copied from $PYTHON's own
 #   install: bookworm's python3-zstandard 0.20 fails to decode the store's frames ("error
@@ -108,7 +108,7 @@ install -m 0644 README.md "$S/usr/share/doc/$PKG/README.md"
 
 install -m 0755 "$DEB/postinst" "$DEB/prerm" "$S/DEBIAN/"
 DEPENDS="nbdkit, nbdkit-plugin-python, fuse3, util-linux (>= 2.38), mount, python3 (>= 3.11), python3 (<< 3.12),"
-DEPENDS+=" python3-numpy (>= 1:1.24), python3-yaml (>= 6.0), python3-ruamel.yaml (>= 0.17.21),"
+DEPENDS+=" python3-numpy (>= 1:1.24), python3-yaml (>= 6.0), python3-tqdm (>= 4.64),"
 DEPENDS+=" python3-prometheus-client (>= 0.16), python3-sortedcontainers (>= 2.4),"
 DEPENDS+=" python3-lz4 (>= 4.0.2), python3-xxhash (>= 3.2), python3-cryptography (>= 38), libc6"
 SIZE=$(du -sk --exclude=DEBIAN "$S" | cut -f1)

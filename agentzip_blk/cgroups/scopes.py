@@ -12,28 +12,28 @@ Two parts:
    ``scoped_cgroups`` returns the outermost matches of the enabled scopes: a match's
    descendants are part of it (memory limits are hierarchical), never a second controller.
 
-2. **The config file.** ``add/remove/enable/disable`` edit the ``scopes:`` list of the YAML
-   config with ruamel.yaml's round-trip mode, so comments, key order and quoting elsewhere in
-   the file survive. The result is validated with ``config.load_config`` before it replaces
-   the file (atomically, same mode and owner). A file without a ``scopes:`` key means the
-   default scope list: the first edit writes the defaults out and then applies the change.
+2. **The drop-in.** ``add/remove/enable/disable`` never write the operator's config.yaml:
+   they write the whole effective ``scopes:`` list to ``config.d/90-scopes.yaml`` next to it
+   (config.dropins: a list in a later drop-in replaces the earlier one), under an flock of
+   the directory, validated with every other file before an atomic rename. The first edit
+   starts from the effective list (config.yaml's, or the defaults). Asking for the state that
+   is already there (adding a scope that is in, removing one that is not) changes nothing and
+   is no error: the CLI and the node agent converge, they do not fail on a repeat.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import fnmatch
-import io
 import os
-import tempfile
 from typing import Callable, Iterable
 
-from ..config import (DEFAULT_CONFIG_PATH, ConfigError, Scope, default_scopes, glob_problem,
-                      load_config)
+from ..config import DEFAULT_CONFIG_PATH, ConfigError, Scope, dropin_dir, glob_problem, load_layers
 
 __all__ = [
     "ScopeError", "match", "scoped_cgroups", "covered", "list_scopes", "add", "remove",
-    "enable", "disable",
+    "enable", "disable", "dropin_path", "SCOPES_DROPIN",
 ]
 
 
@@ -81,110 +81,109 @@ def scoped_cgroups(paths: Iterable[str], scopes: Iterable[Scope]) -> list[str]:
     return out
 
 
-# --- the config file ----------------------------------------------------------------------
+# --- the drop-in ---------------------------------------------------------------------------
+
+SCOPES_DROPIN = "90-scopes.yaml"
+_HEADER = ("# Written by `agentzip-blk scope` and the node agent: the whole scopes: list, which\n"
+           "# replaces the one of config.yaml (lists are not merged). Edit it with the tool.\n")
+
 
 def _config_path(path: str | None) -> str:
     return os.path.abspath(path or DEFAULT_CONFIG_PATH)
 
 
+def dropin_path(path: str | None = None) -> str:
+    """The drop-in the scope edits write: ``config.d/90-scopes.yaml`` next to the config."""
+    return os.path.join(dropin_dir(_config_path(path)), SCOPES_DROPIN)
+
+
 def list_scopes(path: str | None = None) -> list[Scope]:
-    """The scopes of the config (defaults when it has none, or no file exists)."""
-    path = _config_path(path)
-    if not os.path.exists(path):
-        return default_scopes()
-    return load_config(path).scopes
+    """The effective scopes (config file and drop-ins; defaults when none sets them)."""
+    return load_layers(path, missing_ok=True).config.scopes
 
 
-def _guess_indent(text: str) -> tuple[int, int]:
-    """(mapping indent, block sequence offset) as the file already uses them."""
-    from ruamel.yaml.util import load_yaml_guess_indent
-
-    mapping = 2
-    for line in text.splitlines():
-        stripped = line.lstrip(" ")
-        if stripped and not stripped.startswith(("#", "-")) and line != stripped:
-            mapping = len(line) - len(stripped)
-            break
-    offset = 2  # the README's style: "  - cgroup: ..."
-    if text.strip():
-        try:
-            _, _, bsi = load_yaml_guess_indent(text)
-        except Exception:  # the strict load below reports real YAML errors
-            bsi = None
-        if bsi is not None:
-            offset = bsi
-    return mapping, offset
+@contextlib.contextmanager
+def _locked_dir(directory: str):
+    """The drop-in directory, open (no symlink followed) and flock'ed: the CLI and the node
+    agent may edit at the same time, and a read-modify-write must not lose an edit."""
+    os.makedirs(directory, mode=0o755, exist_ok=True)
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise ConfigError(f"{directory}: cannot open the drop-in directory: "
+                          f"{e.strerror or e}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield fd
+    finally:
+        os.close(fd)
 
 
-def _edit(path: str | None, change: Callable[[object], str]) -> str:
-    """Load the config round-trip, apply *change* to its scopes list, validate, replace.
-
-    *change(seq)* mutates the ruamel sequence and returns a message for the user.
-    """
-    from ruamel.yaml import YAML
-    from ruamel.yaml.comments import CommentedMap, CommentedSeq
-
-    path = _config_path(path)
-    exists = os.path.exists(path)
-    text = ""
-    if exists:
-        load_config(path)  # refuse to edit a file that is already invalid: say why first
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    mapping, offset = _guess_indent(text)
-    yaml = YAML()  # round-trip: comments, order, quoting survive
-    yaml.preserve_quotes = True
-    yaml.width = 4096  # never re-wrap long lines
-    yaml.indent(mapping=mapping, sequence=offset + 2, offset=offset)
-    data = yaml.load(text) if text.strip() else None
-    if data is None:
-        data = CommentedMap()
-        if not exists:
-            data.yaml_set_start_comment("agentzip-blk configuration (created by `agentzip-blk scope`)")
-    if not isinstance(data, CommentedMap):
-        raise ConfigError(f"{path}: top level must be a mapping of sections")
-    if "scopes" not in data:
-        # no key = the default list: make it explicit so the edit keeps it
-        data["scopes"] = CommentedSeq(
-            [CommentedMap([("cgroup", s.cgroup), ("enabled", s.enabled)]) for s in default_scopes()])
-    seq = data["scopes"]
-    if not isinstance(seq, CommentedSeq):
-        raise ConfigError(f"{path}: scopes: must be a list")
-    if not seq:
-        seq.fa.set_block_style()  # `scopes: []` grows into a block list, not a flow one
-    message = change(seq)
-
-    buf = io.StringIO()
-    yaml.dump(data, buf)
-    new_text = buf.getvalue()
-    directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".agentzip-config-", suffix=".yaml", dir=directory)
+def _write_atomic(dir_fd: int, name: str, text: str) -> None:
+    """Write *name* in the directory *dir_fd* as a whole or not at all: a temp file created
+    with O_EXCL | O_NOFOLLOW (never through a planted symlink), fsync'ed, renamed over."""
+    tmp = f".{name}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o644, dir_fd=dir_fd)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(new_text)
-        try:
-            load_config(tmp)
-        except ConfigError as e:
-            raise ConfigError(str(e).replace(tmp, path)) from None
-        if exists:
-            st = os.stat(path)
-            os.chmod(tmp, st.st_mode & 0o7777)
-            with contextlib.suppress(PermissionError):
-                os.chown(tmp, st.st_uid, st.st_gid)
-        else:
-            os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+            f.write(text)
+            f.flush()
+            os.fchmod(f.fileno(), 0o644)  # whatever the umask
+            os.fsync(f.fileno())
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        os.fsync(dir_fd)
     except BaseException:
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=dir_fd)
         raise
+
+
+def _edit(path: str | None, change: Callable[[list[dict]], str | None]) -> str:
+    """Apply *change* to the effective scopes list and write it to the scopes drop-in.
+
+    *change(items)* mutates a list of ``{"cgroup", "enabled"}`` dicts and returns a message
+    for the user; it returns None when the state asked for is already there (nothing is
+    written). The operator's config.yaml is never written.
+    """
+    import yaml
+
+    target = dropin_path(path)
+    if path is not None and not os.path.exists(path):
+        raise ConfigError(f"{path}: config file not found")
+    with _locked_dir(os.path.dirname(target)) as dir_fd:
+        # refuse to edit a config that is already invalid: say why first
+        loaded = load_layers(path)
+        owner = loaded.sources.get("scopes")
+        if owner is not None and os.path.basename(owner) > SCOPES_DROPIN \
+                and os.path.dirname(owner) == os.path.dirname(target):
+            raise ScopeError(f"{owner} sets scopes: and comes after {target}: an edit would have "
+                             f"no effect; move its scopes into {SCOPES_DROPIN} or remove them")
+        items = [{"cgroup": s.cgroup, "enabled": s.enabled} for s in loaded.config.scopes]
+        message = change(items)
+        if message is None:
+            raise _Unchanged()
+        data = {"scopes": items}
+        load_layers(path, replace={target: data})  # validate first
+        text = _HEADER + yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
+        _write_atomic(dir_fd, SCOPES_DROPIN, text)
     return message
 
 
-def _find(seq, glob: str) -> int | None:
-    for i, item in enumerate(seq):
-        if hasattr(item, "get") and item.get("cgroup") == glob:
+class _Unchanged(Exception):
+    """The edit asked for the state that is already there."""
+
+
+def _edit_or_same(path: str | None, change, same: str) -> str:
+    try:
+        return _edit(path, change)
+    except _Unchanged:
+        return same
+
+
+def _find(items: list[dict], glob: str) -> int | None:
+    for i, item in enumerate(items):
+        if item["cgroup"] == glob:
             return i
     return None
 
@@ -195,48 +194,57 @@ def _check_glob(glob: str) -> None:
         raise ScopeError(f"--cgroup {glob!r} {problem}")
 
 
-def add(path: str | None, glob: str, enabled: bool = True) -> str:
-    from ruamel.yaml.comments import CommentedMap
+def _state(enabled: bool) -> str:
+    return "enabled" if enabled else "disabled"
 
+
+def add(path: str | None, glob: str, enabled: bool = True) -> str:
+    """Make *glob* a scope in state *enabled*: a scope already there in that state is no
+    error (the state asked for is reached); one there in the other state is switched."""
     _check_glob(glob)
 
-    def change(seq):
-        i = _find(seq, glob)
-        if i is not None:
-            state = "enabled" if seq[i].get("enabled", True) else "disabled"
-            raise ScopeError(f"scope {glob!r} is already in the config ({state}): "
-                             f"use `scope {'disable' if state == 'enabled' else 'enable'}`")
-        seq.append(CommentedMap([("cgroup", glob), ("enabled", enabled)]))
-        return f"added scope {glob} ({'enabled' if enabled else 'disabled'})"
+    def change(items):
+        i = _find(items, glob)
+        if i is None:
+            items.append({"cgroup": glob, "enabled": enabled})
+            return f"added scope {glob} ({_state(enabled)})"
+        if items[i]["enabled"] == enabled:
+            return None
+        items[i]["enabled"] = enabled
+        return f"scope {glob} was {_state(not enabled)}: {_state(enabled)} it"
 
-    return _edit(path, change)
+    return _edit_or_same(path, change, f"scope {glob} already in the config ({_state(enabled)})")
 
 
-def _need(seq, glob: str) -> int:
-    i = _find(seq, glob)
+def _need(items: list[dict], glob: str) -> int:
+    i = _find(items, glob)
     if i is None:
-        known = ", ".join(str(item.get("cgroup")) for item in seq if hasattr(item, "get")) or "none"
+        known = ", ".join(item["cgroup"] for item in items) or "none"
         raise ScopeError(f"no scope {glob!r} in the config (scopes: {known})")
     return i
 
 
 def remove(path: str | None, glob: str) -> str:
-    def change(seq):
-        del seq[_need(seq, glob)]
+    """Make sure *glob* is not a scope (an absent one is no error)."""
+    def change(items):
+        i = _find(items, glob)
+        if i is None:
+            return None
+        del items[i]
         return f"removed scope {glob}"
 
-    return _edit(path, change)
+    return _edit_or_same(path, change, f"scope {glob} is not in the config: nothing to remove")
 
 
 def _set_enabled(path: str | None, glob: str, enabled: bool) -> str:
-    def change(seq):
-        item = seq[_need(seq, glob)]
-        if item.get("enabled", True) == enabled:
-            return f"scope {glob} already {'enabled' if enabled else 'disabled'}"
+    def change(items):
+        item = items[_need(items, glob)]
+        if item["enabled"] == enabled:
+            return None
         item["enabled"] = enabled
         return f"{'enabled' if enabled else 'disabled'} scope {glob}"
 
-    return _edit(path, change)
+    return _edit_or_same(path, change, f"scope {glob} already {_state(enabled)}")
 
 
 def enable(path: str | None, glob: str) -> str:

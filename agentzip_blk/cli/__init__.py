@@ -16,36 +16,36 @@ import sys
 
 from .. import __version__
 from ..errors import ConfigError, DeviceError, SetupError
-from . import (demo, dicts, doctor, down, estimate, install_units, metrics, node_agent, scope,
-               serve, stats, status, tune, up, webhook)
+from . import (config_show, demo, dicts, doctor, down, estimate, helptext, install_units, metrics,
+               node_agent, progress, scope, serve, stats, status, tune, up, webhook)
 from ._common import EXIT_NOT_ATTACHED, EXIT_RUNTIME, EXIT_SETUP, PROG, CliError, error
 
 __all__ = ["main", "build_parser", "PROG", "EXIT_NOT_ATTACHED", "CliError"]
 
 # the order of `agentzip-blk --help`
-COMMANDS = (serve, up, down, status, stats, demo, dicts, estimate, scope, tune, doctor, metrics,
-            install_units, webhook, node_agent)
+COMMANDS = (serve, up, down, status, stats, demo, dicts, estimate, scope, config_show, tune, doctor,
+            metrics, install_units, webhook, node_agent)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The whole command line (the man page and shell completion are generated from it)."""
     p = argparse.ArgumentParser(
         prog=PROG,
         description="Compressed, deduplicating userspace swap device for agent sandboxes.")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    p.add_argument("--config", metavar="PATH",
-                   help="config file (default /etc/agentzip/config.yaml if it exists)")
-    p.add_argument("--run-dir", metavar="DIR",
-                   help="state directory (default: device.run_dir, /run/agentzip)")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    helptext.add_global_options(p)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", help="one of:")
     sub.required = True
     for command in COMMANDS:
         command.register(sub)
+    helptext.finish(p)  # descriptions, examples, --config/--run-dir after the subcommand
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    progress.force(args.progress)
     try:
         return args.func(args)
     except CliError as e:

@@ -1,5 +1,5 @@
 """What the commands share: exit statuses, CliError, the config and run directory of a
-command line, sizes, byte formatting, a progress bar, serving until Ctrl-C."""
+command line, sizes, byte formatting, serving until Ctrl-C (progress bars: cli.progress)."""
 
 from __future__ import annotations
 
@@ -80,28 +80,3 @@ def control_path_of(args) -> str:
 
 def error(msg: str) -> None:
     print(f"{PROG}: error: {msg}", file=sys.stderr)
-
-
-class ProgressBar:
-    """A one-line progress bar on stderr (redrawn in place on a terminal)."""
-
-    def __init__(self, label: str, stream=None, width: int = 30) -> None:
-        self.label = label
-        self.stream = stream or sys.stderr
-        self.width = width
-        self._last = -1.0
-        self._tty = getattr(self.stream, "isatty", lambda: False)()
-
-    def __call__(self, done: int, total: int) -> None:
-        frac = done / total if total else 1.0
-        if not self._tty and frac < 1.0 and frac - self._last < 0.25:
-            return  # a log file gets a few lines, not thousands
-        if self._tty and frac < 1.0 and frac - self._last < 0.01:
-            return
-        self._last = frac
-        fill = int(frac * self.width)
-        line = f"{self.label} [{'#' * fill}{'.' * (self.width - fill)}] {frac:4.0%} {done}/{total}"
-        self.stream.write(("\r" + line) if self._tty else (line + "\n"))
-        if self._tty and frac >= 1.0:
-            self.stream.write("\n")
-        self.stream.flush()

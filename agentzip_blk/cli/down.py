@@ -1,27 +1,58 @@
-"""`agentzip-blk down [--force]`: swapoff, detach and stop the server (host.attach.down)."""
+"""`agentzip-blk down [--force]`: swapoff, detach and stop the server (host.attach.down),
+with a progress bar of the pages swapoff brings back (cli.progress.SwapoffWatch)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
+from .. import procfs
 from ..host import attach, facts
+from ..host.runstate import RunState
+from . import progress
 from ._common import PROG, fmt, run_dir_of
+
+EXAMPLES = f"""\
+examples:
+  {PROG} down                 swapoff (refused if memory cannot take the pages back), stop
+  {PROG} down --progress      a progress bar on stderr even when it is not a terminal
+  {PROG} down --force         when the server died: give up its pages, leave nothing behind
+"""
 
 
 def register(sub) -> None:
-    s = sub.add_parser("down", help="swapoff, detach and stop the server")
+    s = sub.add_parser("down", help="swapoff, detach and stop the server",
+                       description="Swap off our device (every page comes back into RAM: a "
+                                   "progress bar on a terminal shows it), detach it and stop "
+                                   "the server; restore the cgroups the tuner changed first.",
+                       epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("--force", action="store_true",
                    help="swapoff even when available memory looks too small")
     s.add_argument("--timeout", type=float, default=30.0, help=argparse.SUPPRESS)
     s.set_defaults(func=cmd_down)
 
 
+def _watch(run_dir: str):
+    """A SwapoffWatch of our swap area (a no-op context when there is none to watch)."""
+    state = RunState.load(run_dir)
+    device = state.device if state is not None else None
+    if not device or procfs.swap_area(device) is None or not progress.enabled():
+        return contextlib.nullcontext()
+    report = progress.swapoff_bar(device)
+    watch = progress.SwapoffWatch(device, report)
+    stack = contextlib.ExitStack()
+    stack.callback(report.close)  # also when swapoff is refused or fails
+    stack.enter_context(watch)
+    return stack
+
+
 def cmd_down(args) -> int:
     facts.require_root(f"{PROG} down")
     run_dir = run_dir_of(args)
     try:
-        res = attach.down(run_dir, force=args.force, timeout=args.timeout)
+        with _watch(run_dir):
+            res = attach.down(run_dir, force=args.force, timeout=args.timeout)
     except attach.NotAttached as e:
         print(f"{PROG}: nothing to do: {e}", file=sys.stderr)
         return 0

@@ -1,9 +1,10 @@
 """``agentzip-blk scope add|remove|enable|disable|list --cgroup GLOB``.
 
-Edits the ``scopes:`` list of the config file (``--config``, default
-/etc/agentzip/config.yaml, created on the first ``add``), keeping its comments. ``disable`` and
-``remove`` also put back the original settings of every cgroup that no enabled scope covers
-any more (from the ledger in the run directory).
+Writes the scopes drop-in ``config.d/90-scopes.yaml`` next to the config file (``--config``,
+default /etc/agentzip/config.yaml), never the config file itself (cgroups.scopes). Asking for
+the state that is already there exits 0 and says so. ``disable`` and ``remove`` also put back
+the original settings of every cgroup that no enabled scope covers any more (from the ledger
+in the run directory).
 """
 
 from __future__ import annotations
@@ -12,9 +13,23 @@ import argparse
 import json
 import os
 
-from ._common import CliError, run_dir_of
+from ._common import PROG, CliError, run_dir_of
+from .table import Column, Table, key
 
 ACTIONS = ("add", "remove", "enable", "disable", "list")
+
+
+def _matching(row: dict) -> str:
+    m = row["matches"]
+    shown = ", ".join(m[:4]) + (f" (+{len(m) - 4})" if len(m) > 4 else "")
+    return f"{len(m)}{': ' + shown if m else ''}"
+
+
+SCOPES = Table([
+    Column("GLOB", "the scope's cgroup glob", key("cgroup")),
+    Column("ENABLED", "whether the tuner may touch its cgroups", key("enabled")),
+    Column("MATCHING CGROUPS", "how many cgroups it matches now, and the first few", _matching),
+])
 
 
 def _backend(args):
@@ -57,27 +72,28 @@ def cmd_scope(args) -> int:
         return _list(args, path)
     if not args.cgroup:
         raise CliError(f"scope {args.action}: --cgroup GLOB is required")
-    if not _writable(path):
-        raise CliError(f"scope {args.action}: cannot write {path}: run as root")
+    target = scopes.dropin_path(args.config)
+    if not _writable(target):
+        raise CliError(f"scope {args.action}: cannot write {target}: run as root")
     try:
         if args.action == "add":
-            msg = scopes.add(path, args.cgroup, enabled=not args.disabled)
+            msg = scopes.add(args.config, args.cgroup, enabled=not args.disabled)
         elif args.action == "remove":
-            msg = scopes.remove(path, args.cgroup)
+            msg = scopes.remove(args.config, args.cgroup)
         elif args.action == "enable":
-            msg = scopes.enable(path, args.cgroup)
+            msg = scopes.enable(args.config, args.cgroup)
         else:
-            msg = scopes.disable(path, args.cgroup)
+            msg = scopes.disable(args.config, args.cgroup)
     except scopes.ScopeError as e:
         raise CliError(str(e)) from None
     if args.action in ("remove", "disable"):
         msg += _release(args, run_dir_of(args))
-    print(f"{msg} in {path}")
+    print(f"{msg} ({target})")
     return 0
 
 
 def _writable(path: str) -> bool:
-    target = path if os.path.exists(path) else os.path.dirname(os.path.abspath(path))
+    target = os.path.dirname(os.path.abspath(path))  # the rename needs the directory
     while not os.path.exists(target):
         target = os.path.dirname(target)
     return os.access(target, os.W_OK)
@@ -105,24 +121,34 @@ def _list(args, path: str) -> int:
         print(json.dumps({"config": path, "scopes": rows, "tuned": tuned,
                           "hierarchy": backend.kind if backend else None}, sort_keys=True))
         return 0
-    width = max([len("GLOB")] + [len(r["cgroup"]) for r in rows])
-    print(f"{'GLOB':<{width}}  ENABLED  MATCHING CGROUPS")
-    for r in rows:
-        m = r["matches"]
-        shown = ", ".join(m[:4]) + (f" (+{len(m) - 4})" if len(m) > 4 else "")
-        print(f"{r['cgroup']:<{width}}  {'yes' if r['enabled'] else 'no':<7}  "
-              f"{len(m)}{': ' + shown if m else ''}")
+    print(SCOPES.render(rows, SCOPES.columns))
     if not rows:
         print("(no scopes: the tuner touches no cgroup)")
-    if not os.path.exists(path):
-        print(f"({path} does not exist: these are the defaults; `scope add` creates it)")
+    dropin = scopes.dropin_path(args.config)
+    if os.path.exists(dropin):
+        print(f"(from {dropin}, written by `scope add/remove/enable/disable`)")
+    elif not os.path.exists(path):
+        print(f"({path} does not exist: these are the defaults; `scope add` writes {dropin})")
     for cg, files in tuned.items():
         print(f"tuned now: {cg} ({', '.join(files)}; restored on disable/remove/down)")
     return 0
 
 
+EXAMPLES = f"""\
+examples:
+  {PROG} scope add --cgroup 'agent-sandbox-*.slice'
+  {PROG} scope disable --cgroup 'batch-*'
+  {PROG} scope list --json
+"""
+
+
 def register(sub) -> None:
-    s = sub.add_parser("scope", help="cgroups the tuner may touch (globs in the config file)")
+    s = sub.add_parser("scope", help="cgroups the tuner may touch (globs in the config file)",
+                       description="The cgroups the tuner may touch: globs matched anywhere in "
+                                   "the hierarchy. Edits go to config.d/90-scopes.yaml next to "
+                                   "the config file, never to the file itself; asking for the "
+                                   "state that is already there exits 0.",
+                       epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("action", choices=ACTIONS, help="add | remove | enable | disable | list")
     s.add_argument("--cgroup", metavar="GLOB",
                    help="cgroup glob, matched anywhere in the hierarchy (e.g. 'agent-sandbox-*.slice')")

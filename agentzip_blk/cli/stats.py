@@ -1,4 +1,4 @@
-"""`agentzip-blk stats [--json] [--watch S]`: the store's statistics over the control socket;
+"""`agentzip-blk stats [-o COL,..] [--raw] [-n] [-b] [--json] [--watch S]`: the store's statistics over the control socket;
 with `--cgroup GLOB`, orig/stored/ratio per matching cgroup instead (cgroups.cgstats)."""
 
 from __future__ import annotations
@@ -14,11 +14,97 @@ from ..datapath import control
 from ..host import facts
 from ..host.runstate import RunState
 from ._common import EXIT_RUNTIME, PROG, CliError, control_path_of, fmt, run_dir_of
+from .table import BYTES, INT, RATIO, Column, Table, key, plain
+
+
+def _dig(*path: str):
+    def get(row: dict):
+        for part in path:
+            row = row.get(part) if isinstance(row, dict) else None
+        return row
+    return get
+
+
+def _codecs(row: dict):
+    value = row.get("codec_pages")
+    if isinstance(value, dict):
+        return ",".join(f"{k}:{v}" for k, v in sorted(value.items())) or None
+    return value
+
+
+STATS = Table([
+    Column("ORIG", "orig_mem: bytes of every live page (same-filled included)", key("orig_mem"), BYTES),
+    Column("STORED", "stored_mem: everything the store holds for them", key("stored_mem"), BYTES),
+    Column("RATIO", "orig_mem / stored_mem", key("ratio"), RATIO),
+    Column("PAGES", "live pages", key("pages"), INT),
+    Column("SAME", "same-filled pages (stored in 0 bytes)", key("same_pages"), INT),
+    Column("RAW", "pages stored uncompressed", key("raw_pages"), INT),
+    Column("SHARED", "pages sharing a blob with another (dedup)", key("shared_pages"), INT),
+    Column("COMP", "compressed pages", key("compressed_pages"), INT),
+    Column("UNITS", "live multi-page blobs (frames)", key("units"), INT),
+    Column("POOL", "pool arena pages ever touched", key("pool_resident_bytes"), BYTES),
+    Column("META", "tables, dedup index, codecs", key("meta_bytes"), BYTES),
+    Column("LIMIT", "pool.max_size", key("max_size"), BYTES),
+    Column("ENOSPC", "writes refused for lack of room", key("enospc"), INT),
+    Column("CODECS", "pages per codec", _codecs),
+    Column("SIZE", "device size", key("size"), BYTES, default=False),
+    Column("ALGORITHM", "compression algorithm", key("algorithm"), default=False),
+    Column("UNIQUE", "distinct blobs", key("unique_blobs"), INT, default=False),
+    Column("DEDUP", "pages saved by deduplication", key("dedup_saved_pages"), INT, default=False),
+    Column("COMPRESSED", "compressed payload bytes", key("compressed_bytes"), BYTES, default=False),
+    Column("HOTCACHE", "hot cache bytes", key("hot_cache_bytes"), BYTES, default=False),
+    Column("DISK", "disk tier bytes", key("disk_mem"), BYTES, default=False),
+    Column("DISKPAGES", "pages in the disk tier", _dig("tiers", "disk", "pages"), INT, default=False),
+    Column("FRAG", "pool fragmentation (0-1)", key("fragmentation"), RATIO, default=False),
+    Column("READS", "read requests", key("reads"), INT, default=False),
+    Column("WRITES", "write requests", key("writes"), INT, default=False),
+    Column("TRIMS", "trim requests", key("trims"), INT, default=False),
+    Column("ERRORS", "failed requests", key("errors"), INT, default=False),
+    Column("RSS", "server resident memory", _dig("server", "rss_bytes"), BYTES, default=False),
+])
+
+
+def _ratio(r: dict):
+    if r["ratio"] is None and r["pages"]:
+        return "inf"  # only zero / same-filled pages: nothing stored
+    return r["ratio"]
+
+
+CGROUPS = Table([
+    Column("CGROUP", "the cgroup (or total, over several)", key("cgroup")),
+    Column("PIDS", "processes read", key("pids"), INT),
+    Column("ORIG", "bytes of its swapped pages", key("orig_mem"), BYTES),
+    Column("STORED", "compressed payload of them (shared blobs split)", key("stored_mem"), BYTES),
+    Column("RATIO", "ORIG / STORED", _ratio, RATIO),
+    Column("PAGES", "its pages on our device", key("pages"), INT),
+    Column("ZERO", "kernel zero pages (kept out of the device)", key("zero_pages"), INT),
+    Column("SAME", "same-filled pages", key("same_pages"), INT),
+    Column("DISK", "pages in the disk tier", key("disk_pages"), INT),
+    Column("KSWAP", "swap the kernel charges it (memory.swap.current)", key("kernel_swap"), BYTES),
+    Column("BLOB", "pages in compressed blobs", key("blob_pages"), INT, default=False),
+    Column("OTHER", "its pages on other swap areas", key("other_swap_pages"), INT, default=False),
+    Column("UNREADABLE", "processes whose pagemap could not be read", key("unreadable"), INT,
+           default=False),
+])
+
+EXAMPLES = f"""\
+examples:
+  {PROG} stats                        the store in one line
+  {PROG} stats -o ORIG,STORED,RATIO --raw -n -b    three numbers for a script
+  {PROG} stats --watch 2              a line every 2 s
+  {PROG} stats --cgroup 'agent-sandbox-*.slice'   per cgroup (as root)
+"""
 
 
 def register(sub) -> None:
-    s = sub.add_parser("stats", help="store statistics (orig, stored, ratio, pages)")
-    s.add_argument("--json", action="store_true", help="print the stats JSON object")
+    s = sub.add_parser("stats", help="store statistics (orig, stored, ratio, pages)",
+                       description="The swap store's statistics from the server's control "
+                                   "socket, as a table like zramctl's; with --cgroup, orig, "
+                                   "stored and ratio per cgroup instead.",
+                       epilog=EXAMPLES + "\n" + STATS.columns_help() + "\n\nwith --cgroup, "
+                              + CGROUPS.columns_help().replace("available", "the"),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    STATS.add_arguments(s, "print the stats JSON object (docs/JSON.md)")
     s.add_argument("--watch", type=float, metavar="SECONDS", help="repeat every SECONDS")
     s.add_argument("--control", metavar="PATH", help="control socket (default from run dir)")
     s.add_argument("--cgroup", metavar="GLOB", action="append",
@@ -26,60 +112,6 @@ def register(sub) -> None:
                         "orig, stored and ratio of its swapped pages")
     s.add_argument("--cgroup-root", help=argparse.SUPPRESS)
     s.set_defaults(func=cmd_stats)
-
-
-STATS_COLUMNS = [
-    # header, key, kind
-    ("ORIG", "orig_mem", "bytes"),
-    ("STORED", "stored_mem", "bytes"),
-    ("RATIO", "ratio", "ratio"),
-    ("PAGES", "pages", "int"),
-    ("SAME", "same_pages", "int"),
-    ("RAW", "raw_pages", "int"),
-    ("SHARED", "shared_pages", "int"),
-    ("COMP", "compressed_pages", "int"),
-    ("UNITS", "units", "int"),
-    ("POOL", "pool_resident_bytes", "bytes"),
-    ("META", "meta_bytes", "bytes"),
-    ("LIMIT", "max_size", "bytes"),
-    ("ENOSPC", "enospc", "int"),
-    ("CODECS", "codec_pages", "codecs"),
-]
-
-
-def _stats_cell(value, kind: str) -> str:
-    if value is None:
-        return "-"
-    if kind == "bytes":
-        return fmt(value)
-    if kind == "ratio":
-        try:
-            return f"{float(value):.2f}"
-        except (TypeError, ValueError):
-            return str(value)
-    if kind == "codecs":
-        if isinstance(value, dict):
-            return ",".join(f"{k}:{v}" for k, v in sorted(value.items())) or "-"
-        return str(value)
-    return str(value)
-
-
-def stats_table(rows: list[dict], header: bool = True) -> str:
-    cells = [[_stats_cell(r.get(key), kind) for _, key, kind in STATS_COLUMNS] for r in rows]
-    heads = [h for h, _, _ in STATS_COLUMNS]
-    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(heads)]
-    widths = [max(w, 6) for w in widths]
-    out = []
-
-    def line(vals):
-        # numbers right-aligned like zramctl/free; the last (text) column left-aligned
-        parts = [v.rjust(w) for v, w in zip(vals[:-1], widths[:-1])] + [vals[-1]]
-        return " ".join(parts).rstrip()
-
-    if header:
-        out.append(line(heads))
-    out.extend(line(c) for c in cells)
-    return "\n".join(out)
 
 
 def _fetch_stats(path: str) -> dict:
@@ -100,13 +132,14 @@ def cmd_stats(args) -> int:
         if args.watch is not None:
             raise CliError("--cgroup and --watch cannot be combined")
         return _cmd_stats_cgroup(args)
+    STATS.select(args.output, args.output_all)  # a bad -o fails before the socket is tried
     path = control_path_of(args)
     if args.watch is None:
         st = _fetch_stats(path)
         if args.json:
             print(json.dumps(st, sort_keys=True))
         else:
-            print(stats_table([st]))
+            print(STATS.print_args([st], args))
         return 0
     if args.watch <= 0:
         raise CliError("--watch: SECONDS must be > 0")
@@ -117,31 +150,24 @@ def cmd_stats(args) -> int:
             if args.json:
                 print(json.dumps(st, sort_keys=True), flush=True)
             else:
-                print(stats_table([st], header=first), flush=True)
+                print(STATS.print_args([st], args, headings=first and not args.noheadings),
+                      flush=True)
             first = False
             time.sleep(args.watch)
     except KeyboardInterrupt:
         return 0
 
 
-def _row(name: str, r: dict) -> list[str]:
-    ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
-    if r["ratio"] is None and r["pages"]:
-        ratio = "inf"  # only zero / same-filled pages: nothing stored
-    return [name, str(r["pids"]), fmt(r["orig_mem"]), fmt(r["stored_mem"]), ratio,
-            str(r["pages"]), str(r["zero_pages"]), str(r["same_pages"]), str(r["disk_pages"]),
-            fmt(r["kernel_swap"]) if r.get("kernel_swap") is not None else "-"]
-
-
-def cgroup_table(res: dict) -> str:
-    heads = ["CGROUP", "PIDS", "ORIG", "STORED", "RATIO", "PAGES", "ZERO", "SAME", "DISK", "KSWAP"]
-    rows = [_row(r["cgroup"], r) for r in res["cgroups"]]
-    if len(res["cgroups"]) > 1:
-        rows.append(_row("total", res["total"]))
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(heads)]
-    lines = ["  ".join([heads[0].ljust(widths[0])] + [h.rjust(w) for h, w in zip(heads[1:], widths[1:])])]
-    for r in rows:
-        lines.append("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]))
+def cgroup_table(res: dict, args: argparse.Namespace | None = None) -> str:
+    rows = list(res["cgroups"])
+    if len(rows) > 1:
+        rows.append(dict(res["total"], cgroup="total"))
+    if args is None:
+        lines = [CGROUPS.render(rows, CGROUPS.defaults())]
+    else:
+        lines = [CGROUPS.print_args(rows, args)]
+        if not plain(args):
+            return lines[0]
     if not res["cgroups"]:
         lines.append("(no cgroup matches)")
     st = res["store"]
@@ -154,6 +180,7 @@ def cgroup_table(res: dict) -> str:
 
 
 def _cmd_stats_cgroup(args) -> int:
+    CGROUPS.select(args.output, args.output_all)
     facts.require_root(f"{PROG} stats --cgroup (reads /proc/PID/pagemap)")
     run_dir = run_dir_of(args)
     state = RunState.load(run_dir)
@@ -166,5 +193,5 @@ def _cmd_stats_cgroup(args) -> int:
         res = cgstats.collect(backend, args.cgroup, control_path, state.device)
     except ValueError as e:
         raise CliError(str(e), EXIT_RUNTIME) from None
-    print(json.dumps(res, sort_keys=True) if args.json else cgroup_table(res))
+    print(json.dumps(res, sort_keys=True) if args.json else cgroup_table(res, args))
     return 0

@@ -10,9 +10,10 @@ from ._common import PROG, CliError, serve_until_interrupted
 
 def register(sub) -> None:
     s = sub.add_parser("webhook", help="Kubernetes mutating admission webhook (HTTPS)")
-    s.add_argument("--listen", default="0.0.0.0:8443", metavar="HOST:PORT")
-    s.add_argument("--tls-cert", required=True, metavar="PEM")
-    s.add_argument("--tls-key", required=True, metavar="PEM")
+    s.add_argument("--listen", default="0.0.0.0:8443", metavar="HOST:PORT",
+                   help="address to serve HTTPS on (default 0.0.0.0:8443)")
+    s.add_argument("--tls-cert", required=True, metavar="PEM", help="TLS certificate file")
+    s.add_argument("--tls-key", required=True, metavar="PEM", help="TLS private key file")
     s.set_defaults(func=cmd_webhook)
 
 

@@ -1,13 +1,16 @@
-"""Configuration: the schema (`schema`), strict validation and loading (`load`), and the
+"""Configuration: the schema (`schema`), strict validation and loading (`load`), the
+drop-ins merged over the file (`dropins`), and the
 size and duration quantities config values are written in (`quantities`)."""
 
 from ..errors import ConfigError
-from .load import glob_problem, load_config, old_key_names, parse_config
+from .dropins import DROPIN_DIR, dropin_dir
+from .load import LoadedConfig, glob_problem, load_config, load_layers, old_key_names, parse_config
 from .schema import (DEFAULT_CONFIG_PATH, MAX_FRAME_PAGES, CompressionConfig, Config, DeviceConfig,
                      PolicyConfig, PoolConfig, Scope, default_scopes)
 
 __all__ = [
     "ConfigError", "Config", "CompressionConfig", "PoolConfig", "PolicyConfig", "Scope",
     "DeviceConfig", "DEFAULT_CONFIG_PATH", "MAX_FRAME_PAGES", "default_scopes", "glob_problem",
-    "load_config", "old_key_names", "parse_config",
+    "load_config", "old_key_names", "parse_config", "load_layers", "LoadedConfig", "DROPIN_DIR",
+    "dropin_dir",
 ]

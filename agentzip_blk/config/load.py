@@ -10,6 +10,7 @@ them pass `known_dictionaries`, and without it names are only checked for syntax
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import grp
@@ -21,8 +22,10 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigError
-from .quantities import parse_duration, parse_size
-from .schema import (ALGORITHMS, DEDUP_MODES, DEFAULT_CONFIG_PATH, DICTIONARY_MODES, FRONTENDS, KEY_ALIASES,
+from .dropins import Sources, dropin_dir, dropin_files, merge, normalized_key
+from .quantities import decimal_hint, parse_duration, parse_size
+from .schema import (ALGORITHMS, DEDUP_MODES, DEFAULT_CONFIG_PATH, DICTIONARY_MODES, FRONTENDS,
+                     KEY_ALIASES,
                      LEVEL_RANGES,
                      MAX_FRAME_PAGES, MIN_SIZE, SUPPORTED_PAGE_SIZE, SWAP_PRIORITY_RANGE,
                      CompressionConfig, Config, DeviceConfig, PolicyConfig, PoolConfig, Scope,
@@ -79,7 +82,8 @@ def _size(value: Any, key: str, minimum: int = MIN_SIZE) -> int:
     except ValueError as e:
         raise ConfigError(f"{key}: {e}") from None
     if size < minimum:
-        raise ConfigError(f"{key}: {value!r} is too small (minimum {minimum} bytes)")
+        raise ConfigError(f"{key}: {value!r} is too small (minimum {minimum} bytes)"
+                          f"{decimal_hint(value)}")
     return size
 
 
@@ -245,7 +249,8 @@ def _parse_device(value: Any) -> DeviceConfig:
     raw_size = data.get("size", d.size)
     size = _size(raw_size, "device.size")
     if size % SUPPORTED_PAGE_SIZE:  # the kernel swaps whole pages; a partial last page is useless
-        raise ConfigError(f"device.size: {raw_size!r} must be a multiple of {SUPPORTED_PAGE_SIZE} bytes")
+        raise ConfigError(f"device.size: {raw_size!r} must be a multiple of {SUPPORTED_PAGE_SIZE} "
+                          f"bytes{decimal_hint(raw_size)}")
     lo, hi = SWAP_PRIORITY_RANGE
     return DeviceConfig(
         size=size,
@@ -342,34 +347,91 @@ def _read_yaml(path: str) -> Any:
         raise ConfigError(f"{path}: invalid YAML: nested too deeply") from None
 
 
+@dataclasses.dataclass
+class LoadedConfig:
+    """A validated config with where it came from: the files read in merge order (config.yaml
+    first, then its drop-ins) and, per dotted key set by one of them, the file that set it
+    last (keys absent from `sources` are defaults)."""
+    config: Config
+    files: list[str]
+    sources: Sources
+
+
+def _top_mapping(data: Any, path: str) -> Mapping:
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path}: top level: {data!r} must be a mapping of sections")
+    return data
+
+
+def load_layers(path: str | os.PathLike[str] | None = None, *,
+                known_dictionaries: Collection[str] | None = None,
+                replace: Mapping[str, Any] | None = None,
+                missing_ok: bool = False) -> LoadedConfig:
+    """Load config.yaml and its drop-ins (`dropins`), merged and validated.
+
+    Each file is validated merged over the ones before it, so an error names the file that
+    made the config invalid and the key, e.g. ``/etc/agentzip/config.d/20-x.yaml:
+    pool.max_size: ...``. *replace* maps a drop-in path to the data it is about to hold (a
+    writer validates its edit before writing it). *missing_ok*: an explicitly named file that
+    does not exist reads as empty (its drop-ins still count).
+    """
+    resolved = _resolve(path)
+    base = resolved if resolved is not None else (None if path is not None else DEFAULT_CONFIG_PATH)
+    files: list[str] = []
+    layers: list[tuple[str, Any]] = []
+    if resolved is not None and not (missing_ok and not os.path.exists(resolved)):
+        layers.append((resolved, _read_yaml(resolved)))
+        files.append(resolved)
+    directory = dropin_dir(base if base is not None else DEFAULT_CONFIG_PATH)
+    replace = {os.path.abspath(k): v for k, v in (replace or {}).items()}
+    dropins = dropin_files(directory)
+    for extra in replace:
+        if extra not in dropins and os.path.dirname(extra) == directory:
+            dropins = sorted(dropins + [extra], key=os.path.basename)
+    for dropin in dropins:
+        layers.append((dropin, replace[dropin] if dropin in replace else _read_yaml(dropin)))
+        files.append(dropin)
+    merged: dict = {}
+    sources: Sources = {}
+    config = Config()
+    for origin, data in layers:
+        merged = merge(merged, _top_mapping(data, origin), origin, sources)
+        try:
+            config = parse_config(merged, known_dictionaries=known_dictionaries)
+        except ConfigError as e:
+            raise ConfigError(f"{origin}: {e}") from None
+    return LoadedConfig(config, files, {normalized_key(k): v for k, v in sources.items()})
+
+
 def load_config(path: str | os.PathLike[str] | None = None, *,
                 known_dictionaries: Collection[str] | None = None) -> Config:
-    """Load and validate a YAML config file.
+    """Load and validate a YAML config file and its drop-ins (`load_layers`).
 
     None means DEFAULT_CONFIG_PATH if it exists, else all defaults; an explicitly named file must
     exist. An empty file means all defaults. Every error is a ConfigError naming the path.
     """
-    resolved = _resolve(path)
-    if resolved is None:
-        return Config()
-    data = _read_yaml(resolved)
-    try:
-        return parse_config({} if data is None else data, known_dictionaries=known_dictionaries)
-    except ConfigError as e:
-        raise ConfigError(f"{resolved}: {e}") from None
+    return load_layers(path, known_dictionaries=known_dictionaries).config
 
 
 def old_key_names(path: str | os.PathLike[str] | None = None) -> list[tuple[str, str]]:
-    """(old, new) dotted names of the keys the config file spells the old way (KEY_ALIASES):
-    still accepted, and `doctor` says so. A file that cannot be read has none."""
+    """(old, new) dotted names of the keys the config file or its drop-ins spell the old way
+    (KEY_ALIASES): still accepted, and `doctor` says so. A file that cannot be read has none."""
     resolved = _resolve(path)
-    try:
-        data = _read_yaml(resolved) if resolved else None
-    except ConfigError:
-        return []
-    found = []
-    for (section, old), new in KEY_ALIASES.items():
-        part = data.get(section) if isinstance(data, Mapping) else None
-        if isinstance(part, Mapping) and old in part:
-            found.append((f"{section}.{old}", f"{section}.{new}"))
+    base = resolved if resolved is not None else DEFAULT_CONFIG_PATH
+    files = [resolved] if resolved else []
+    with contextlib.suppress(ConfigError):  # an unreadable config.d: `load_config` says so
+        files += dropin_files(dropin_dir(base))
+    found: list[tuple[str, str]] = []
+    for file in files:
+        try:
+            data = _read_yaml(file)
+        except ConfigError:
+            continue
+        for (section, old), new in KEY_ALIASES.items():
+            part = data.get(section) if isinstance(data, Mapping) else None
+            pair = (f"{section}.{old}", f"{section}.{new}")
+            if isinstance(part, Mapping) and old in part and pair not in found:
+                found.append(pair)
     return found

@@ -1,9 +1,11 @@
 """Human-friendly sizes and durations: parsing for the config file and CLI, formatting for status.
 
-Size units are all binary (powers of 1024), including the "decimal-looking" ones: "8GB" means
-8 GiB, exactly like ``free``, ``zramctl``, ``swapon --show`` and ``/proc/meminfo`` treat them.
-Memory is allocated in pages, so nobody sizing a swap device means 10**9 bytes by "1GB", and having
-"8GB" and "8GiB" differ by 7% would be a trap.
+Size suffixes follow util-linux (``zramctl --size``, ``swapon``, ``losetup``: its
+``strtosize``): ``K``, ``M``, ``G``, ... alone and ``KiB``, ``MiB``, ``GiB``, ... are powers of
+1024; ``KB``, ``MB``, ``GB``, ... are powers of 1000. So "8G" == "8GiB" == 8 * 2**30 but
+"8GB" == 8 * 10**9, as ``zramctl --size 8GB`` takes it. The letter and the "b" may be in
+either case ("8gib", "8kb"). Before this, "KB"/"MB"/"GB" meant 1024 too; every other
+spelling kept its meaning. Sizes print binary ("1.5G" = 1.5 GiB), like ``free -h``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from fractions import Fraction
 # suffix (lower case) -> bytes. "" and "b" are plain bytes.
 _SIZE_UNITS: dict[str, int] = {"": 1, "b": 1}
 for _power, _letter in enumerate("kmgtpe", start=1):
-    _SIZE_UNITS.update(dict.fromkeys((_letter, _letter + "b", _letter + "ib"), 1024**_power))
+    _SIZE_UNITS.update(dict.fromkeys((_letter, _letter + "ib"), 1024**_power))
+    _SIZE_UNITS[_letter + "b"] = 1000**_power  # util-linux: "KB" is 1000, "K" and "KiB" 1024
 
 # suffix (lower case) -> seconds; Fractions keep "500ms" exact until the final float().
 _DURATION_UNITS: dict[str, Fraction] = {
@@ -33,7 +36,8 @@ _DURATION_UNITS: dict[str, Fraction] = {
 # ASCII digits only (re.ASCII): \d would also accept e.g. Arabic-Indic digits.
 _QUANTITY = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-z]*)\s*", re.IGNORECASE | re.ASCII)
 
-_SIZE_HINT = "expected bytes or a number with a unit K, M, G, T, P, e.g. '8GB', '512MiB', '1.5G'"
+_SIZE_HINT = ("expected bytes or a number with a unit: K, M, G, T, P or KiB, MiB, ... (powers of "
+              "1024), KB, MB, GB, ... (powers of 1000), e.g. '8G', '512MiB', '1.5G'")
 _DURATION_HINT = "expected seconds or a number with a unit ms, s, m, h, e.g. '30s', '500ms', '2m'"
 
 
@@ -66,15 +70,28 @@ def parse_size(value: int | float | str) -> int:
 
     Accepts a non-negative int (bytes), an integral float (YAML may produce ``4096.0``), or a
     string: a number (optionally with a fraction) and an optional case-insensitive unit,
-    B, K/KB/KiB, M/MB/MiB, G/GB/GiB, T/TB/TiB, P/PB/PiB, E/EB/EiB. All units are binary
-    (see the module docstring): "8GB" == "8GiB" == 8 * 2**30. A fractional number of bytes is
-    rounded down ("0.1K" == 102). Raises ValueError for negatives, NaN/inf, empty strings,
+    B, K/KiB/KB, M/MiB/MB, G/GiB/GB, T/TiB/TB, P/PiB/PB, E/EiB/EB. As in util-linux (see the
+    module docstring): "8G" == "8GiB" == 8 * 2**30, "8GB" == 8 * 10**9. A fractional number
+    of bytes is rounded down ("0.1K" == 102). Raises ValueError for negatives, NaN/inf, empty strings,
     unknown units, bools and other types.
     """
     amount = _parse_quantity(value, _SIZE_UNITS, "size", _SIZE_HINT)
     if isinstance(value, float) and amount.denominator != 1:
         raise ValueError(f"invalid size {value!r}: a plain number of bytes must be whole")
     return math.floor(amount)
+
+
+def decimal_hint(value: object) -> str:
+    """For an error about a size written with a decimal unit ("1MB"): the reminder that it
+    means powers of 1000 now, and the binary spelling; "" for any other value."""
+    if not isinstance(value, str):
+        return ""
+    match = _QUANTITY.fullmatch(value)
+    if match is None or not re.fullmatch(r"[kmgtpe]b", match.group(2), re.IGNORECASE):
+        return ""
+    binary = f"{match.group(1)}{match.group(2)[0].upper()}"
+    return (f" ({value.strip()!r} is {parse_size(value)} bytes: KB, MB, GB... are powers of "
+            f"1000, as in util-linux; {binary!r} is {parse_size(binary)})")
 
 
 def parse_duration(value: int | float | str) -> float:

@@ -43,15 +43,15 @@ from .workload import DEFAULT_MB, DEFAULT_SEED, WORKLOAD, Workload
 
 
 class Progress:
-    """One line per phase with elapsed time; a text bar while something is measured."""
+    """One line per phase with elapsed time; a tqdm bar on stderr while something is
+    measured (on a terminal only, or when *bars* says so)."""
 
-    def __init__(self, stream=None, quiet: bool = False):
+    def __init__(self, stream=None, quiet: bool = False, bars: bool | None = None):
         self.stream = stream if stream is not None else sys.stdout
         self.quiet = quiet
         self.t0 = time.monotonic()
-        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-        self._last_step = -1
-        self._bar_open = False
+        self.bars = sys.stderr.isatty() if bars is None else bars
+        self._bar = None
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
@@ -62,26 +62,22 @@ class Progress:
         self._end_bar()
         print(f"[{self.elapsed():6.1f}s] {msg}", file=self.stream, flush=True)
 
-    def bar(self, frac: float, suffix: str = "", width: int = 30) -> None:
-        if self.quiet:
+    def bar(self, frac: float, suffix: str = "") -> None:
+        if self.quiet or not self.bars:
             return
-        frac = min(max(frac, 0.0), 1.0)
-        fill = int(round(frac * width))
-        line = f"          [{'#' * fill}{'.' * (width - fill)}] {frac * 100:5.1f}% {suffix}"
-        if self.tty:
-            print("\r" + line + "\x1b[K", end="", file=self.stream, flush=True)
-            self._bar_open = True
-        else:
-            step = int(frac * 4)  # 0, 25, 50, 75, 100 %
-            if step > self._last_step:
-                self._last_step = step
-                print(line, file=self.stream, flush=True)
+        from tqdm import tqdm
+
+        if self._bar is None:
+            self._bar = tqdm(total=100, file=sys.stderr, leave=False, dynamic_ncols=True,
+                             bar_format="          {bar} {percentage:5.1f}% {postfix}")
+        self._bar.n = min(max(frac, 0.0), 1.0) * 100
+        self._bar.set_postfix_str(suffix, refresh=False)
+        self._bar.refresh()
 
     def _end_bar(self) -> None:
-        if self._bar_open:
-            print(file=self.stream, flush=True)
-            self._bar_open = False
-        self._last_step = -1
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 # ---------------------------------------------------------------------------------------

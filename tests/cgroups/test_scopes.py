@@ -1,4 +1,4 @@
-"""agentzip_blk.cgroups.scopes and .ledger: glob matching, config edits that keep comments, the restore ledger,
+"""agentzip_blk.cgroups.scopes and .ledger: glob matching, scope edits in their drop-in, the restore ledger,
 and the `scope` CLI on a fake cgroup v2 tree."""
 
 from __future__ import annotations
@@ -71,21 +71,23 @@ device:
 """
 
 
-def test_add_keeps_comments_and_other_keys(tmp_path):
+def _dropin(tmp_path) -> str:
+    return str(tmp_path / "config.d" / scopes.SCOPES_DROPIN)
+
+
+def test_add_writes_the_dropin_and_never_the_config(tmp_path):
     path = tmp_path / "config.yaml"
     path.write_text(CONFIG)
     os.chmod(path, 0o640)
+    before = path.read_bytes()
     assert "added" in scopes.add(str(path), "ci-*.scope")
-    text = path.read_text()
-    # every line of the original is still there, byte for byte
-    for line in CONFIG.splitlines():
-        assert line in text.splitlines(), line
-    assert text.endswith("device:\n  size: 1G\n")
-    assert "  - cgroup: ci-*.scope\n    enabled: true\n" in text
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
+    assert path.read_bytes() == before and stat.S_IMODE(os.stat(path).st_mode) == 0o640
+    assert stat.S_IMODE(os.stat(_dropin(tmp_path)).st_mode) == 0o644
     cfg = load_config(str(path))
     assert [(s.cgroup, s.enabled) for s in cfg.scopes] == [
         ("agent-sandbox-*.slice", True), ("batch-*", False), ("ci-*.scope", True)]
+    assert cfg.device.size == 1 << 30  # the rest of config.yaml still counts
+    assert not [f for f in os.listdir(tmp_path / "config.d") if f.startswith(".")]
 
 
 def test_enable_disable_remove(tmp_path):
@@ -98,22 +100,30 @@ def test_enable_disable_remove(tmp_path):
     assert "already disabled" in scopes.disable(path, "agent-sandbox-*.slice")
     scopes.remove(path, "batch-*")
     assert [s.cgroup for s in scopes.list_scopes(path)] == ["agent-sandbox-*.slice"]
-    text = r(path)
-    assert "# sandboxes of the agent runner" in text and "# production" in text
-    assert '"batch-*"' not in text
+    assert r(path) == CONFIG
 
 
-def test_errors_leave_the_file_alone(tmp_path):
+def test_repeats_are_no_errors_and_write_nothing(tmp_path):
     path = str(tmp_path / "config.yaml")
     w(path, CONFIG)
-    with pytest.raises(scopes.ScopeError, match="already in the config"):
-        scopes.add(path, "batch-*")
+    assert "already in the config (disabled)" in scopes.add(path, "batch-*", enabled=False)
+    assert "nothing to remove" in scopes.remove(path, "nope")
+    assert not os.path.exists(_dropin(tmp_path))  # nothing changed: nothing written
+    assert "was disabled: enabled it" in scopes.add(path, "batch-*")  # add = present + enabled
+    assert [(s.cgroup, s.enabled) for s in scopes.list_scopes(path)][1] == ("batch-*", True)
+
+
+def test_errors_leave_the_files_alone(tmp_path):
+    path = str(tmp_path / "config.yaml")
+    w(path, CONFIG)
+    scopes.add(path, "x-*")
+    dropin = r(_dropin(tmp_path))
     with pytest.raises(scopes.ScopeError, match="no scope 'nope'"):
-        scopes.remove(path, "nope")
+        scopes.enable(path, "nope")
     with pytest.raises(scopes.ScopeError, match="unbalanced"):
         scopes.add(path, "bad-[glob")
-    assert r(path) == CONFIG
-    assert not [f for f in os.listdir(tmp_path) if f.startswith(".agentzip-config-")]
+    assert r(path) == CONFIG and r(_dropin(tmp_path)) == dropin
+    assert not [f for f in os.listdir(tmp_path / "config.d") if f.startswith(".")]
 
 
 def test_invalid_config_is_not_edited(tmp_path):
@@ -122,25 +132,47 @@ def test_invalid_config_is_not_edited(tmp_path):
     with pytest.raises(ConfigError, match="max_sise"):
         scopes.add(path, "x-*")
     assert r(path) == "pool:\n  max_sise: 1G\n"
+    assert not os.path.exists(_dropin(tmp_path))
 
 
-def test_missing_scopes_key_means_defaults_and_missing_file_is_created(tmp_path):
+def test_a_later_dropin_with_scopes_is_refused(tmp_path):
+    path = str(tmp_path / "config.yaml")
+    w(path, CONFIG)
+    w(str(tmp_path / "config.d" / "95-mine.yaml"), "scopes: []\n")
+    with pytest.raises(scopes.ScopeError, match="95-mine.yaml sets scopes"):
+        scopes.add(path, "x-*")
+
+
+def test_missing_scopes_key_means_defaults_and_a_missing_config_is_not_created(tmp_path):
     path = str(tmp_path / "config.yaml")
     w(path, "# only a comment\npool:\n  max_size: 1G\n")
     scopes.add(path, "x-*")
     # the default scope was implicit; it stays in force next to the new one
     assert [s.cgroup for s in scopes.list_scopes(path)] == ["agent-sandbox-*.slice", "x-*"]
-    assert r(path).startswith("# only a comment\npool:\n  max_size: 1G\n")
+    assert r(path) == "# only a comment\npool:\n  max_size: 1G\n"
 
     fresh = str(tmp_path / "etc" / "agentzip" / "config.yaml")
-    scopes.add(fresh, "y-*", enabled=False)
-    assert [(s.cgroup, s.enabled) for s in load_config(fresh).scopes] == [
-        ("agent-sandbox-*.slice", True), ("y-*", False)]
+    with pytest.raises(ConfigError, match="not found"):
+        scopes.add(fresh, "y-*", enabled=False)
+    assert not os.path.exists(tmp_path / "etc")
 
-    empty = str(tmp_path / "empty.yaml")
-    w(empty, "scopes: []\n")
-    scopes.add(empty, "z-*")
-    assert r(empty) == "scopes:\n  - cgroup: z-*\n    enabled: true\n"
+    empty = tmp_path / "e" / "config.yaml"
+    w(str(empty), "scopes: []\n")
+    scopes.add(str(empty), "z-*")
+    assert r(str(tmp_path / "e" / "config.d" / scopes.SCOPES_DROPIN)).endswith(
+        "scopes:\n- cgroup: z-*\n  enabled: true\n")
+
+
+def test_dropin_is_not_written_through_a_symlink(tmp_path):
+    path = str(tmp_path / "config.yaml")
+    w(path, CONFIG)
+    victim = tmp_path / "victim"
+    victim.write_text("# precious\n")
+    os.makedirs(tmp_path / "config.d")
+    os.symlink(victim, tmp_path / "config.d" / scopes.SCOPES_DROPIN)
+    scopes.add(path, "x-*")
+    assert victim.read_text() == "# precious\n"  # the link was replaced, not followed
+    assert not os.path.islink(_dropin(tmp_path))
 
 
 # --- the ledger ---------------------------------------------------------------------------------
@@ -262,12 +294,13 @@ def test_cli_scope_tune_disable_restores(tmp_path, capsys):
     msg = capsys.readouterr().out
     assert "2 setting(s) restored" in msg and SANDBOX in msg
     assert _v2_files(mnt, SANDBOX) == before[SANDBOX]
-    assert "# test" in r(str(tmp_path / "config.yaml"))
+    assert r(str(tmp_path / "config.yaml")) == "# test\nscopes: []\n"
 
 
 def test_cli_scope_errors(tmp_path, capsys):
     root, _ = fake_v2(tmp_path / "fs")
+    w(str(tmp_path / "config.yaml"), "")
     assert _cli(tmp_path, root, "scope", "add") == 2
     assert "--cgroup GLOB is required" in capsys.readouterr().err
-    assert _cli(tmp_path, root, "scope", "remove", "--cgroup", "nope-*") == 2
+    assert _cli(tmp_path, root, "scope", "enable", "--cgroup", "nope-*") == 2
     assert "no scope 'nope-*'" in capsys.readouterr().err

@@ -28,7 +28,7 @@ compression:
   dictionary: auto         # auto | prebuilt | none | python312,v8,...
   page_size: 4096
 pool:
-  max_size: 8GB
+  max_size: 8G
   reclaim_threshold: 80    # percent of max_size
   swap_out_path: /var/lib/agentzip/swapfile
   defrag: true
@@ -40,7 +40,7 @@ scopes:
   - cgroup: agent-sandbox-*.slice
     enabled: true
 device:
-  size: 8GB
+  size: 8G
   swap_priority: 100
   run_dir: /run/agentzip
 """

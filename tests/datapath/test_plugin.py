@@ -146,7 +146,7 @@ def test_full_pool_is_enospc_and_loses_nothing(tmp_path):
     config = tmp_path / "config.yaml"
     # Both tiers tiny: 1 MiB of pool, 1 MiB of disk.
     config.write_text(
-        f"pool:\n  max_size: 1MB\n  swap_out_path: {tmp_path / 'disk'}\n  swap_out_max_size: 1MB\n"
+        f"pool:\n  max_size: 1M\n  swap_out_path: {tmp_path / 'disk'}\n  swap_out_max_size: 1M\n"
     )
     srv = start_server(tmp_path, size=str(SIZE), config=config)
     h = nbd.NBD()

@@ -49,7 +49,7 @@ class Operator:
         self.root = root
         self.run_dir = str(root / "run")
         self.config = str(root / "config.yaml")
-        cfg = {"device": {"size": "2GB", "run_dir": self.run_dir, "frontend": frontend},
+        cfg = {"device": {"size": "2G", "run_dir": self.run_dir, "frontend": frontend},
                "pool": {"swap_out_path": str(root / "tier"), **(pool or {})}}
         if policy:
             cfg["policy"] = policy
@@ -154,7 +154,7 @@ def verify(wl: Workload) -> None:
 @pytest.mark.parametrize("spill,frontend", [(False, "auto"), (True, "auto"), (False, "nbdfuse")],
                          ids=["default", "pool-cap-spills-to-disk", "nbdfuse"])
 def test_up_exits_workload_squeezed_down_separately(operator, spill, frontend):
-    pool = {"max_size": "16MB", "reclaim_threshold": 75} if spill else None
+    pool = {"max_size": "16M", "reclaim_threshold": 75} if spill else None
     policy = {"cold_grace_period": "0.5s"} if spill else None
     op = operator(pool=pool, policy=policy, frontend=frontend)
     up = op.run("up")

@@ -627,9 +627,10 @@ def test_cli_up_status_down(run_dir, capsys):
                      "--priority", "17"]) == 0
     out = capsys.readouterr().out
     assert "swap on" in out and "priority 17" in out
-    assert cli.main(["--run-dir", run_dir, "status"]) == 0
+    assert cli.main(["--run-dir", run_dir, "status", "-o", "TYPE,PRIO,DIO,HEALTH", "--raw",
+                     "-n"]) == 0
     out = capsys.readouterr().out
-    assert "direct I/O on" in out and "priority 17" in out
+    assert out.splitlines()[0].split() == ["agentzip", "17", "on", "OK"]
     assert cli.main(["--run-dir", run_dir, "status", "--json"]) == 0
     st = json.loads(capsys.readouterr().out)
     assert st["attached"] and st["swap"]["priority"] == 17

@@ -104,7 +104,7 @@ def _pester(sock: str, stop: threading.Event, out: dict) -> None:
 
 
 def run_model(tmp_path, ops: int, seed: int) -> None:
-    config = support.write_config(tmp_path, pool={"max_size": "4MB", "reclaim_threshold": 50},
+    config = support.write_config(tmp_path, pool={"max_size": "4M", "reclaim_threshold": 50},
                                   policy={"cold_grace_period": "100ms", "hot_threshold_ms": 50,
                                           "warm_threshold_ms": 100})
     with support.server(tmp_path, size=str(SIZE), config=config) as srv:

@@ -110,7 +110,7 @@ def fill_until(dev: Device, first: int, pages: list[bytes], expect: int) -> tupl
 
 def test_pool_full_is_enospc_and_keeps_pages(tmp_path):
     """A 1 MiB pool over a 1 MiB size-limited disk tier file: both fill, then ENOSPC."""
-    config = support.write_config(tmp_path, pool={"max_size": "1MB", "swap_out_max_size": "1MB"})
+    config = support.write_config(tmp_path, pool={"max_size": "1M", "swap_out_max_size": "1M"})
     with support.loop_chain(tmp_path, size=SIZE, config=config) as chain:
         _pool_full(chain)
 
@@ -146,7 +146,7 @@ def test_disk_tier_filesystem_full_is_enospc(tmp_path):
     """The disk tier on a 2 MiB tmpfs that fills up: the pool (1 MiB) and the filesystem
     are both full, so new pages get ENOSPC; every stored page reads back."""
     with support.small_tmpfs("2m") as fs:
-        config = support.write_config(tmp_path, pool={"max_size": "1MB",
+        config = support.write_config(tmp_path, pool={"max_size": "1M",
                                                       "swap_out_path": f"{fs}/tier"})
         with support.loop_chain(tmp_path, size=SIZE, config=config) as chain:
             _disk_full(chain)
@@ -177,7 +177,7 @@ def test_disk_tier_io_errors_are_eio_and_lose_nothing(tmp_path):
     count in disk_errors; pages in the pool stay readable throughout, and once the fault
     clears every page, including those on disk, reads back."""
     with support.failfs() as fs:
-        config = support.write_config(tmp_path, pool={"max_size": "1MB",
+        config = support.write_config(tmp_path, pool={"max_size": "1M",
                                                       "swap_out_path": f"{fs.mountpoint}/tier"},
                                       policy={"hot_cache_size": 0})
         with support.loop_chain(tmp_path, size=SIZE, config=config) as chain:
