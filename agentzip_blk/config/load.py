@@ -24,7 +24,8 @@ import yaml
 from ..errors import ConfigError
 from .dropins import Sources, dropin_dir, dropin_files, merge, normalized_key
 from .quantities import decimal_hint, parse_duration, parse_size
-from .schema import (ALGORITHMS, DEFAULT_CONFIG_PATH, DICTIONARY_MODES, FRONTENDS, KEY_ALIASES,
+from .schema import (ALGORITHMS, DEDUP_MODES, DEFAULT_CONFIG_PATH, DICTIONARY_MODES, FRONTENDS,
+                     KEY_ALIASES,
                      LEVEL_RANGES,
                      MAX_FRAME_PAGES, MIN_SIZE, SUPPORTED_PAGE_SIZE, SWAP_PRIORITY_RANGE,
                      CompressionConfig, Config, DeviceConfig, PolicyConfig, PoolConfig, Scope,
@@ -168,7 +169,17 @@ def _parse_compression(value: Any, known_dictionaries: Collection[str] | None) -
     frame_key = "unit_pages" if "unit_pages" in written else "frame_pages"  # name what was written
     frame_pages = _int(data.get("frame_pages", d.frame_pages), f"compression.{frame_key}", 1,
                        MAX_FRAME_PAGES, f"1-{MAX_FRAME_PAGES} pages")
-    return CompressionConfig(algorithm, level, dictionary, SUPPORTED_PAGE_SIZE, frame_pages)
+    dedup = _dedup(data.get("dedup", d.dedup))
+    return CompressionConfig(algorithm, level, dictionary, SUPPORTED_PAGE_SIZE, frame_pages, dedup)
+
+
+def _dedup(value: Any) -> str:
+    # YAML 1.1 reads a bare on/off as a boolean: take those as meant.
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if not isinstance(value, str) or value not in DEDUP_MODES:
+        raise ConfigError(f"compression.dedup: {value!r} is not one of {' | '.join(DEDUP_MODES)}")
+    return value
 
 
 def _parse_pool(value: Any) -> PoolConfig:

@@ -20,6 +20,7 @@ ALGORITHMS = ("zstd", "lz4", "lz4hc")
 # - lz4hc 1-12: LZ4HC_CLEVEL_MAX is 12.
 LEVEL_RANGES: dict[str, tuple[int, int]] = {"zstd": (1, 19), "lz4": (0, 16), "lz4hc": (1, 12)}
 DICTIONARY_MODES = ("auto", "prebuilt", "none")
+DEDUP_MODES = ("on", "off")
 # The store, the codec framing and swap itself all work in 4 KiB pages; nothing else is supported.
 SUPPORTED_PAGE_SIZE = 4096
 MAX_FRAME_PAGES = 16  # pages one compressed frame may hold (the blob table's `sub` column)
@@ -38,6 +39,9 @@ class CompressionConfig:
     page_size: int = SUPPORTED_PAGE_SIZE
     # pages per compressed frame (adjacent new pages of one write request); 1 = each alone
     frame_pages: int = 16
+    # Share identical pages between slots (bytes compared, keyed hash: store/dedup.py). off:
+    # no page is shared between slots, so whether another tenant holds a page cannot show.
+    dedup: str = "on"
 
 
 @dataclass

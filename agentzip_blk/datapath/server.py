@@ -26,6 +26,7 @@ from .control import ControlServer
 from .guard import SignalGuard
 
 PLUGIN_KEYS = ("config", "size", "control", "fuse", "fuse_threads")
+MAX_STATS_AGE = 3600  # s: the oldest cached stats a `stats` request may ask for
 
 # The control verbs that only read: what members of device.control_group may use (a
 # metrics exporter that is not root). The others change the device or stop the server.
@@ -79,6 +80,8 @@ class Server:
         self.started = time.time()
         self._flusher_lock = threading.Lock()
         self.guard: SignalGuard | None = None
+        # the last `stats` reply, the age of its snapshot then, and when it was built
+        self._stats_reply: tuple[dict, float, float] | None = None
 
     @classmethod
     def from_keys(cls, keys: dict[str, str]) -> Server:
@@ -223,7 +226,24 @@ class Server:
         return self.store.maintain()
 
     def _stats(self, request: dict) -> dict:
-        stats = self.store.stats()
+        """Store stats from the cached snapshot (store.accounting.StatsCache): request
+        {"max_age": s} takes one up to s seconds old (the exporter does: a scrape storm then
+        scans nothing); without it, one taken after the request came, shared with the
+        requests waiting for the same scan. The reply says how old it is."""
+        max_age = request.get("max_age", 0)
+        if isinstance(max_age, bool) or not isinstance(max_age, (int, float)) or not (
+                0 <= max_age <= MAX_STATS_AGE):
+            raise ValueError(f'"max_age" must be a number of seconds, 0-{MAX_STATS_AGE}')
+        now = time.monotonic()
+        last = self._stats_reply
+        if max_age > 0 and last is not None and last[1] + (now - last[2]) <= max_age:
+            # The whole reply, server figures included, is reused while young enough: a
+            # scrape storm then costs each request a dict copy (procfs reads took ~0.3 ms).
+            return _aged(last[0], last[1] + (now - last[2]), max_age)
+        cached, age = self.store.cached_stats(float(max_age))
+        stats = dict(cached)  # the snapshot is shared between replies
+        stats["snapshot"] = {"age_s": round(age, 3), "max_age_s": max_age,
+                             "scan_ms": round(self.store.snapshots.scan_seconds * 1e3, 2)}
         stats["latency"] = self.latency.snapshot()
         stats["server"] = {
             "pid": os.getpid(),
@@ -244,7 +264,15 @@ class Server:
             from . import fuse
 
             stats["server"]["fuse"] = fuse.describe(self.fuse)
+        self._stats_reply = (stats, age, time.monotonic())
         return stats
+
+
+def _aged(reply: dict, age: float, max_age: float) -> dict:
+    """A copy of a cached stats reply, with its age now."""
+    out = dict(reply)
+    out["snapshot"] = {**reply["snapshot"], "age_s": round(age, 3), "max_age_s": max_age}
+    return out
 
 
 def _say(message: str) -> None:

@@ -30,6 +30,7 @@ and nothing else from the server is exported then.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 
 NS = "agentzip"
 HEALTH_TIMEOUT = 2.0  # the same wait as `status` (host.health.HEALTH_TIMEOUT)
+STATS_MAX_AGE = 5.0  # s: scrapes take the server's cached stats up to this old
 
 # stats key -> (metric name, help). Gauges in bytes.
 BYTE_GAUGES = [
@@ -275,12 +277,24 @@ class Collector:
 def control_stats(path: str) -> Callable[[], dict]:
     from ..datapath import control
 
+    lock = threading.Lock()
+    last: list = [None, float("-inf")]  # the last reply and when its fetch finished
+
     def fetch() -> dict:
-        # ping is answered even while requests are wedged behind the store lock; health is not
-        control.request(path, "health", timeout=HEALTH_TIMEOUT)
-        reply = dict(control.request(path, "stats"))
-        reply.pop("ok", None)
-        return reply
+        # Scrapes that come while a fetch is under way share its reply: a storm of
+        # concurrent scrapes sends the server one health and one stats, not one each. A
+        # scrape that finds no fetch running makes its own (so `up` follows the server).
+        arrived = time.monotonic()
+        with lock:
+            if last[0] is not None and last[1] >= arrived:
+                return dict(last[0])
+            # ping is answered even while requests are wedged behind the store lock; health is not
+            control.request(path, "health", timeout=HEALTH_TIMEOUT)
+            # a cached snapshot (the server's maintainer keeps it young): scrapes scan nothing
+            reply = dict(control.request(path, "stats", max_age=STATS_MAX_AGE))
+            reply.pop("ok", None)
+            last[0], last[1] = reply, time.monotonic()
+            return dict(reply)
     return fetch
 
 

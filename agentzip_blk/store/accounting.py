@@ -7,6 +7,7 @@ actually touched, not their mappings. The caller holds the store lock.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
@@ -79,6 +80,8 @@ def stats(store: PageStore) -> dict:
         "shared_pages": pages_held["shared"],
         "unique_blobs": blobs.count,
         "dedup_saved_pages": blob_pages - pages_held["distinct"],
+        "dedup": store.placer.dedup,
+        "dedup_unindexed": store.index.unindexed,  # pages left out of the index (dedup.py)
         # frames: "unit" is their name in the stats interface (docs/JSON.md)
         "unit_pages": store.frame_pages,
         "units": int(np.count_nonzero(live & (blobs.pages > 1))),
@@ -181,8 +184,9 @@ def check(store: PageStore) -> None:
     assert np.array_equal(refs, blobs.ref.astype(np.int64)), "refcounts disagree"
     assert blobs.count == int(np.count_nonzero(refs)), "blob count disagrees"
     live = blobs.live()
-    assert store.index.count == int(blobs.pages[live].astype(np.int64).sum()), \
-        "index and blob table disagree"
+    assert store.index.count + store.index.unindexed == int(
+        blobs.pages[live].astype(np.int64).sum()), "index and blob table disagree"
+    assert store.index.unindexed >= 0
     assert (slots.sub[held] < blobs.pages[blob_slots]).all(), "slot names a missing page"
     assert not slots.sub[~held].any()
     slots.check()
@@ -200,3 +204,64 @@ def check(store: PageStore) -> None:
         assert store.disk.live_bytes == int(extents), "disk extents leak"
     else:
         assert not on_disk.any()
+
+
+class StatsCache:
+    """The last `stats` of a store, for readers that can take it a little old: the metrics
+    exporter asks for one at most `max_age` seconds old, so a storm of scrapes costs no scan
+    at all while the snapshot is young, and one scan when it is not.
+
+    Refreshes are single-flight: a reader that finds one under way waits for it and takes
+    its result if the scan started after the reader arrived. A reader asking for
+    `max_age=0` so gets a snapshot taken after its request came, without a scan of its own
+    when others are refreshing already. The maintainer calls `refresh_if_read` each round,
+    so a periodic scraper finds a young snapshot and never scans on its request."""
+
+    def __init__(self, scan, clock) -> None:
+        self._scan = scan  # takes the store lock itself
+        self._clock = clock
+        self._refresh = threading.Lock()
+        # (stats, when its scan started): one attribute, so a reader without the lock never
+        # pairs a new dict with an old time
+        self._last: tuple[dict, float] | None = None
+        self._read_at = float("-inf")  # the last read that took the snapshot as it was
+        self._scan_seconds = 0.0
+
+    def get(self, max_age: float = 0.0) -> tuple[dict, float]:
+        """A stats dict at most `max_age` seconds old (from the start of its scan), and its
+        age. The dict is shared: do not change it."""
+        arrived = self._clock()
+        last = self._last
+        if max_age > 0:
+            self._read_at = arrived
+            if last is not None and arrived - last[1] <= max_age:
+                return last[0], arrived - last[1]
+        with self._refresh:
+            last = self._last
+            if last is not None and last[1] >= arrived - max_age:
+                return last[0], max(0.0, self._clock() - last[1])
+            return self._refresh_locked(), 0.0
+
+    def refresh_if_read(self, within: float, older_than: float) -> bool:
+        """Refresh a snapshot older than `older_than` s when a cached read came in the last
+        `within` seconds: keeps a periodic scraper's snapshot young without scanning for
+        nobody, and without scanning more often than every `older_than` seconds."""
+        now = self._clock()
+        last = self._last
+        if now - self._read_at > within or (last is not None and now - last[1] < older_than):
+            return False
+        with self._refresh:
+            self._refresh_locked()
+        return True
+
+    @property
+    def scan_seconds(self) -> float:
+        """How long the last scan took (the store lock is held through it)."""
+        return self._scan_seconds
+
+    def _refresh_locked(self) -> dict:
+        taken = self._clock()
+        snapshot = self._scan()
+        self._scan_seconds = self._clock() - taken
+        self._last = (snapshot, taken)
+        return snapshot

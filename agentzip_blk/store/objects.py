@@ -40,6 +40,7 @@ class Counters:
     errors: int = 0
     dedup_hits: int = 0
     hash_collisions: int = 0
+    dedup_compares: int = 0  # stored pages compared byte for byte with a page being written
     pingpong: int = 0  # pages written again within hot_threshold_ms of being read
     demotions: int = 0
     promotions: int = 0

@@ -35,7 +35,7 @@ from ..errors import OutOfRange, StoreFull
 from . import accounting
 from .blobs import BlobTable
 from .cache import HotCache
-from .dedup import DedupIndex
+from .dedup import DedupIndex, HashFn
 from .integrity import Corrupt
 from .disk import DiskTier
 from .objects import Counters, Deferred, Objects
@@ -48,6 +48,10 @@ TICKS_PER_SECOND = 100  # 10 ms ticks: uint32 lasts 497 days, then ticks are reb
 _TICK_REBASE = 1 << 31
 _FEW_PAGES = 8  # requests up to this many pages take the scalar read path
 _FRAME_CACHE_FRAMES = 8  # decompressed frames kept for the reads of their other pages
+_SNAPSHOT_READERS_WITHIN = 60.0  # s: the maintainer refreshes cached stats read this recently
+# s: and at most this often. The scan holds the store lock (~40 ms per 64Ki pages stored,
+# BENCHMARKS.md): at most once per 2 s however many scrapes come, instead of once per scrape.
+SNAPSHOT_REFRESH_EVERY = 2.0
 
 
 def _ticks(seconds: float) -> int:
@@ -67,6 +71,8 @@ class PageStore:
         clock: Callable[[], float] = time.monotonic,
         dictionary: str | list[str] = "none",
         frame_pages: int = 1,
+        dedup: bool = True,
+        hasher: HashFn | None = None,
     ) -> None:
         if page_size != 4096:
             raise ValueError("only 4096-byte pages are supported")
@@ -104,7 +110,7 @@ class PageStore:
             else None
         )
         self.blobs = BlobTable(frame_pages=frame_pages)
-        self.index = DedupIndex()
+        self.index = DedupIndex(enabled=dedup)
         self.counters = Counters()
         self.hot = HotCache(tiering.hot_cache_size)
         frames = HotCache(_FRAME_CACHE_FRAMES * frame_pages * page_size if frame_pages > 1 else 0)
@@ -119,12 +125,14 @@ class PageStore:
         self.warm_ticks = _ticks(tiering.warm_threshold_ms / 1000)
         self.cold_ticks = _ticks(tiering.cold_grace_period)
         self.placer = Placer(self.objects, self.codecs, self.frame_codec, self.dicts,
-                             self.counters, frame_pages, self.hot_ticks)
+                             self.counters, frame_pages, self.hot_ticks, dedup, hasher)
         self.tiers = Tiers(self)
         self.objects.promote = self.tiers.promote
         self.reclaim_bytes = self.tiers.reclaim_bytes
         self.reclaim_target = self.tiers.reclaim_target
         self.wake: Callable[[], None] = lambda: None  # set by the maintenance worker
+        # stats for the server's `stats` verb, refreshed by the maintainer (accounting.StatsCache)
+        self.snapshots = accounting.StatsCache(self.stats, time.monotonic)
 
     @classmethod
     def from_config(cls, size: int, config, **kwargs) -> PageStore:
@@ -136,6 +144,7 @@ class PageStore:
             page_size=config.compression.page_size,
             dictionary=config.compression.dictionary,
             frame_pages=config.compression.frame_pages,
+            dedup=config.compression.dedup == "on",
             **kwargs,
         )
 
@@ -452,7 +461,10 @@ class PageStore:
         return self.tiers.compact()
 
     def maintain(self) -> dict:
-        return self.tiers.maintain()
+        result = self.tiers.maintain()
+        # one scan per round, and only while someone reads the cached stats (a scraper)
+        self.snapshots.refresh_if_read(_SNAPSHOT_READERS_WITHIN, SNAPSHOT_REFRESH_EVERY)
+        return result
 
     def meta_bytes(self) -> int:
         """Everything held in memory besides pool arenas (accounting.meta_parts)."""
@@ -462,8 +474,13 @@ class PageStore:
         return accounting.stored_mem(self, self.meta_bytes())
 
     def stats(self) -> dict:
+        """Exact stats: a full scan under the store lock (requests wait for it)."""
         with self.lock:
             return accounting.stats(self)
+
+    def cached_stats(self, max_age: float = 0.0) -> tuple[dict, float]:
+        """Stats at most `max_age` seconds old, and their age (accounting.StatsCache)."""
+        return self.snapshots.get(max_age)
 
     def slot_sizes(self, slots) -> dict:
         with self.lock:

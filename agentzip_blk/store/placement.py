@@ -2,6 +2,11 @@
 already stored (or to an earlier page of the request) shares it, and the rest are grouped
 into frames of `frame_pages` new pages compressed together.
 
+Sharing is decided by comparing bytes, always: the keyed hash (dedup.PageHasher) only finds
+the candidates, at most dedup.MAX_CANDIDATES per page. With `compression.dedup: off` no page
+is shared with another (nothing is hashed or indexed); same-filled pages still store only
+their word, which shares no data.
+
 A frame holds the new pages of one write request in their order: zstd finds far more matches
 across a frame's pages than inside one page. Pages that do not compress well enough together
 (the codec decides: `codecs.pays`) are stored one by one, each compressed with the request's
@@ -13,16 +18,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-import xxhash
 
 from ..codec.codecs import Codec, CodecSet, pays
 from ..codec.dictionaries import StoreDictionaries
 from ..codec.dictionaries.selector import Choice
-from .dedup import index_key, unpack
+from .dedup import MAX_CANDIDATES, HashFn, PageHasher, index_key, unpack
 from .objects import Counters, Objects
 from .slots import BLOB, SAME
 
-_MASK64 = (1 << 64) - 1
+_NO_HASH = (0, 0)  # the hash of every page with dedup off: never looked up
 
 
 def same_filled(data: memoryview, count: int, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -33,12 +37,6 @@ def same_filled(data: memoryview, count: int, page_size: int) -> tuple[np.ndarra
     kind = np.where(same, SAME, BLOB).astype(np.uint8)
     handle = np.where(same, words[:, 0], 0).astype(np.uint64)
     return same, kind, handle
-
-
-def page_hash(page) -> tuple[int, int]:
-    """The page's 128-bit xxh3 as (low, high) 64-bit halves."""
-    digest = xxhash.xxh3_128_intdigest(page)
-    return digest & _MASK64, digest >> 64
 
 
 @dataclass
@@ -57,16 +55,26 @@ class Prepared:
     frames: dict[tuple[int, ...], tuple[bytes, int]] = field(default_factory=dict)
 
 
-def fresh_positions(hashes: list[tuple[int, int]]) -> list[int]:
-    """Positions of the first page of each content: the pages `place` stores when nothing
-    of the request is stored yet."""
-    seen: set[tuple[int, int]] = set()
-    fresh = []
+def first_copies(pages: list[memoryview], hashes: list[tuple[int, int]],
+                 dedup: bool = True) -> tuple[list[int], dict[int, int]]:
+    """The positions of the first page of each content in a request, and for each later page
+    equal to an earlier one, that earlier position. Equal hashes are only a hint: the bytes
+    are compared, so pages that collide on the hash stay apart (the later is stored too)."""
+    if not dedup:
+        return list(range(len(pages))), {}
+    first_of: dict[tuple[int, int], list[int]] = {}  # hash -> its first copies (capped)
+    fresh: list[int] = []
+    repeats: dict[int, int] = {}
     for n, h in enumerate(hashes):
-        if h not in seen:
-            seen.add(h)
-            fresh.append(n)
-    return fresh
+        firsts = first_of.setdefault(h, [])
+        earlier = next((e for e in firsts if pages[e] == pages[n]), None)
+        if earlier is not None:
+            repeats[n] = earlier
+            continue
+        if len(firsts) < MAX_CANDIDATES:
+            firsts.append(n)
+        fresh.append(n)
+    return fresh, repeats
 
 
 class _Chooser:
@@ -87,8 +95,11 @@ class _Chooser:
 class Placer:
     def __init__(self, objects: Objects, codecs: CodecSet, frame_codec: Codec | None,
                  dicts: StoreDictionaries, counters: Counters, frame_pages: int,
-                 hot_ticks: int) -> None:
+                 hot_ticks: int, dedup: bool = True, hasher: HashFn | None = None) -> None:
         self.objects = objects
+        self.dedup = dedup
+        # keyed, random per store; tests may pass a weak one to force collisions
+        self.hasher: HashFn = hasher or PageHasher()
         self.codecs = codecs
         # Frames get their own compressor: zstd sizes its window from the frame size it is
         # told, and a 4 KiB window could not see the frame's earlier pages.
@@ -112,8 +123,8 @@ class Placer:
         if self.frame_codec is None or not data or offset % page or len(data) % page:
             return None
         early = self.split(data, len(data) // page)
-        early.hashes = [page_hash(p) for p in early.pages]
-        fresh = fresh_positions(early.hashes)
+        early.hashes = self.hashes(early.pages)
+        fresh, _ = first_copies(early.pages, early.hashes, self.dedup)
         step = self.frame_pages
         groups = [tuple(fresh[start : start + step]) for start in range(0, len(fresh), step)]
         joined = [b"".join(early.pages[n] for n in g) for g in groups if len(g) > 1]
@@ -124,6 +135,12 @@ class Placer:
                 early.frames[group] = (out, choice.dict_id)
         return early
 
+    def hashes(self, pages: list[memoryview]) -> list[tuple[int, int]]:
+        """The pages' keyed hashes; with dedup off, none is computed."""
+        if not self.dedup:
+            return [_NO_HASH] * len(pages)
+        return [self.hasher(p) for p in pages]
+
     def place(self, pages: list[memoryview], now: int,
               placed: list[tuple[int, int]], staged: list[int],
               hashes: list[tuple[int, int]] | None = None,
@@ -133,21 +150,29 @@ class Placer:
         `placed` with (blob, page in blob) and appends every reference taken to `staged`.
         `hashes` and `frames` come from `prepare` when it ran."""
         if hashes is None:
-            hashes = [page_hash(page) for page in pages]
+            hashes = self.hashes(pages)
+        firsts, repeat_of = first_copies(pages, hashes, self.dedup)
         fresh: list[int] = []  # positions of pages to store
-        first_of: dict[tuple[int, int], int] = {}  # hash -> position of its first fresh page
-        repeats: list[tuple[int, int]] = []
-        for n, page in enumerate(pages):
+        repeats: list[tuple[int, int]] = []  # (position, earlier position with equal bytes)
+        found_at: set[int] = set()
+        for n in firsts:
             lo, hi = hashes[n]
-            found = self.lookup(page, lo, hi, now)
+            found = self.lookup(pages[n], lo, hi, now) if self.dedup else None
             if found is not None:
                 placed[n] = found
                 staged.append(found[0])
-            elif (lo, hi) in first_of:
-                repeats.append((n, first_of[(lo, hi)]))
+                found_at.add(n)
             else:
-                first_of[(lo, hi)] = n
                 fresh.append(n)
+        for n, earlier in repeat_of.items():
+            if earlier in found_at:  # its first copy is a stored page: share that directly
+                found = placed[earlier]
+                self.objects.ref(found[0])
+                staged.append(found[0])
+                placed[n] = found
+                self.counters.dedup_hits += 1
+            else:
+                repeats.append((n, earlier))
         step = self.frame_pages
         chooser = _Chooser(self.dicts, pages)
         for start in range(0, len(fresh), step):
@@ -164,7 +189,10 @@ class Placer:
         """(blob, page in blob) of a stored page equal to `page`, with one more reference."""
         objects = self.objects
         blobs = objects.blobs
-        for value in objects.index.candidates(index_key(lo)):
+        for tried, value in enumerate(objects.index.candidates(index_key(lo))):
+            if tried >= MAX_CANDIDATES:  # the index keeps no more; never compare more
+                break
+            self.counters.dedup_compares += 1
             blob, sub = unpack(value)
             if blobs.pages[blob] == 1:
                 equal = int(blobs.hash_hi[blob]) == hi and objects.page(blob, 0) == page

@@ -24,7 +24,6 @@ from ..errors import CodecError, StoreFull
 from .blobs import DISK, POOL
 from .disk import DiskError, DiskFull
 from .integrity import Corrupt
-from .placement import page_hash
 from .pool import PoolFull
 
 if TYPE_CHECKING:
@@ -226,7 +225,7 @@ class Tiers:
         data = memoryview(objects.fetch(blob))
         subs = sorted({int(slots.sub[slot]) for slot in frame_slots})
         pages = [data[sub * page : (sub + 1) * page] for sub in subs]
-        hashes = [page_hash(p) for p in pages]
+        hashes = store.placer.hashes(pages)  # keyed per store (dedup.PageHasher)
         placed: list[tuple[int, int]] = [(0, 0)] * len(pages)
         staged: list[int] = []
         now = int(objects.blobs.atime[blob])  # the pages keep their age

@@ -128,6 +128,7 @@ def valid_configs(draw):
                                          st.lists(names, min_size=1, max_size=4, unique=True))),
             "page_size": 4096,
             "frame_pages": draw(st.integers(1, 16)),
+            "dedup": draw(st.sampled_from(["on", "off"])),
         },
         "pool": {
             "max_size": draw(st.integers(1 << 20, 1 << 44)),
@@ -200,6 +201,10 @@ BAD_VALUES = [
     ("compression", "frame_pages", 0, "1-16 pages"),
     ("compression", "frame_pages", 17, "1-16 pages"),
     ("compression", "frame_pages", "4", "integer"),
+    ("compression", "dedup", "maybe", "on | off"),
+    ("compression", "dedup", "ON", "on | off"),
+    ("compression", "dedup", 1, "on | off"),
+    ("compression", "dedup", None, "on | off"),
     ("device", "rotational", "yes", "true or false"),
     ("device", "rotational", 1, "true or false"),
     ("pool", "max_size", 0, "too small"),

@@ -41,6 +41,13 @@ def record(test: str, **counts: int) -> None:
             f.write(json.dumps({"test": test, **{k: int(v) for k, v in counts.items()}}) + "\n")
 
 
+def pages_differing(got: bytes, want: bytes) -> int:
+    """4 KiB pages of `got` that differ from `want` (a missing page counts): the data lost
+    by a read the test compared byte for byte."""
+    size = max(len(got), len(want))
+    return sum(got[i:i + PAGE] != want[i:i + PAGE] for i in range(0, size, PAGE))
+
+
 def totals() -> dict[str, int]:
     return dict(_totals)
 
