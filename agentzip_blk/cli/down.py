@@ -9,6 +9,8 @@ import sys
 
 from .. import procfs
 from ..host import attach, facts
+from ..errors import DeviceError, SetupError
+from ..host.rundir import secure_run_dir
 from ..host.runstate import RunState
 from . import progress
 from ._common import PROG, fmt, run_dir_of
@@ -35,7 +37,13 @@ def register(sub) -> None:
 
 def _watch(run_dir: str):
     """A SwapoffWatch of our swap area (a no-op context when there is none to watch)."""
-    state = RunState.load(run_dir)
+    # The run directory is checked (root's, no symlink) before its state file is read, as
+    # `attach.down` does: the watch must not read through a planted link either.
+    secure_run_dir(run_dir, keep_group=True)
+    try:
+        state = RunState.load(run_dir)
+    except (DeviceError, SetupError):
+        return contextlib.nullcontext()  # attach.down reports a bad state file itself
     device = state.device if state is not None else None
     if not device or procfs.swap_area(device) is None or not progress.enabled():
         return contextlib.nullcontext()

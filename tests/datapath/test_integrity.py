@@ -189,7 +189,7 @@ def disk_pages(client: Client, n: int = 32) -> dict[int, bytes]:
 
 
 # a 1 MiB pool demoted to its floor (5% threshold: the target is 0), so reads never promote
-DISK_POOL = {"max_size": "1MB", "reclaim_threshold": 5}
+DISK_POOL = {"max_size": "1M", "reclaim_threshold": 5}
 
 
 def test_flipped_byte_in_a_disk_extent_is_eio(serve, tmp_path):
@@ -270,7 +270,7 @@ def test_disk_tier_holds_no_plaintext_and_dies_with_the_key(serve, tmp_path):
 def test_no_disk_tier_with_null_path(serve, tmp_path):
     """pool.swap_out_path: null: no file; a full pool answers ENOSPC (the kernel keeps the
     page) and nothing written before is lost."""
-    srv, client = serve(max_size="1MB", swap_out_path=None)
+    srv, client = serve(max_size="1M", swap_out_path=None)
     written = []
     with pytest.raises(nbd.Error) as err:
         for i in range(1024):
@@ -347,7 +347,7 @@ def test_cli_serve_with_a_null_tier_path_writes_no_file(tmp_path):
     a process of its own): no file appears anywhere under the config's directory, a full
     pool is ENOSPC, and what was written reads back."""
     config = tmp_path / "config.yaml"
-    config.write_text("pool:\n  max_size: 1MB\n  swap_out_path: null\n")
+    config.write_text("pool:\n  max_size: 1M\n  swap_out_path: null\n")
     nbd_sock, control = tmp_path / "nbd.sock", tmp_path / "control.sock"
     proc = subprocess.Popen(
         [sys.executable, "-m", "agentzip_blk.cli", "--config", str(config), "serve", "--size",

@@ -31,6 +31,7 @@ BAD: dict[str, list] = {
     "compression.dictionary": [5, True, "", "Bad Name", "auto,v8", ["v8", 1], [], "v8,,x",
                                "../etc/passwd"],
     "compression.page_size": [8192, "8K", 512, -4096, 0, True, "4096x"],
+    "compression.dedup": ["yes", "maybe", 1, 0, "", "ON!", ["on"]],
     "pool.max_size": [-1, "-1G", "1X", 0, "0.5K", 1000, True, "1 0G", "inf"],
     "pool.reclaim_threshold": [0, 101, -5, "80", 80.5, True],
     "pool.swap_out_path": ["relative/path", 5, "", "/a\0b", "/a\nb", True],
@@ -54,8 +55,13 @@ def _config_with(dotted: str, value) -> dict:
     return {section: {key: value}}
 
 
+# null is a meaning for these keys, not a bad value: pool.swap_out_path null disables the tier
+NULL_MEANS_SOMETHING = {"pool.swap_out_path"}
+
+
 def bad_values_of(dotted: str) -> list:
-    extra = [v for v in ALWAYS_BAD if not (dotted == "compression.dictionary" and v == "-1")]
+    extra = [v for v in ALWAYS_BAD if not (dotted == "compression.dictionary" and v == "-1")
+             and not (v is None and dotted in NULL_MEANS_SOMETHING)]
     return BAD[dotted] + extra + ([2] if dotted == "pool.defrag" else [])
 
 

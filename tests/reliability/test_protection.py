@@ -98,8 +98,9 @@ CONNECT = ("import socket, sys\ns = socket.socket(socket.AF_UNIX)\n"
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root + setpriv")
 def test_control_socket_is_root_only(tmp_path):
-    """The socket sits in a world-searchable directory, so only its own mode (0600, root)
-    keeps `nobody` out. With the mode opened up the same probe gets in: the check works."""
+    """The socket sits in a world-searchable directory, so its own mode (0600, root) keeps
+    `nobody` out. With the mode opened up the same probe connects (the probe works), and the
+    server's peer check (SO_PEERCRED) still refuses it: two layers, each checked."""
     public = tempfile.mkdtemp(prefix="azrel-public-", dir="/tmp")
     os.chmod(public, 0o755)
     config = support.write_config(tmp_path)
@@ -116,12 +117,13 @@ def test_control_socket_is_root_only(tmp_path):
             cli = _as_nobody(sys.executable, "-m", "agentzip_blk.cli", "stats", "--control", sock)
             assert cli.returncode != 0 and "permission denied" in cli.stderr, cli
             assert "Traceback" not in cli.stderr
-            os.chmod(sock, 0o666)  # the control: now nobody gets an answer
+            os.chmod(sock, 0o666)  # the control: now nobody connects, and the peer check answers
             try:
                 opened = _as_nobody("/usr/bin/python3", "-c", CONNECT, sock)
             finally:
                 os.chmod(sock, 0o600)
-            assert opened.returncode == 0 and '"ok": true' in opened.stdout, opened
+            assert opened.returncode == 0, opened
+            assert '"ok": false' in opened.stdout and "permission denied" in opened.stdout, opened
             support.record("protection_nobody", hostile_inputs=2)
         finally:
             srv.stop()
