@@ -8,7 +8,8 @@ cd "$(dirname "$0")"
 APT_PACKAGES=(nbdkit nbdkit-plugin-python libnbd-bin python3-libnbd fuse3 python3-venv util-linux
               chromium nodejs  # chromium, nodejs: tests/test_workloads.py runs workloads C and D
               fio stress-ng gcc libfuse3-dev  # tests/reliability: fio, stress-ng, failfs (FUSE)
-              systemd openssl)  # test_systemd_units: systemd-analyze verify (no PID 1 needed); test_k8s: TLS cert
+              systemd openssl  # test_systemd_units: systemd-analyze verify (no PID 1 needed); test_k8s: TLS cert
+              prometheus)  # tests/fleet/test_prometheus.py: promtool check rules / test rules / check metrics
 VENV=.venv
 
 need_root() {
