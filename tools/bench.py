@@ -305,7 +305,9 @@ class Bench:
             # round is `configs`, later rounds `repeats` (older JSON has no `repeats`)
             with swap_lock(self.prog, self.lock_waits):
                 for rnd in range(o.repeat):
-                    rbase = base if rnd == 0 else self.rebaseline(cg, wl, base, res)
+                    # with --repeat, every round (the first too, now that we hold the lock:
+                    # the wait for it can be minutes of someone else's load) times its own
+                    rbase = base if o.repeat == 1 else self.rebaseline(cg, wl, base, res)
                     for cfg in self.configs:
                         tag = f" (round {rnd + 1}/{o.repeat})" if o.repeat > 1 else ""
                         self._header(f"{spec.key} {spec.name} x {cfg.name}{tag}")
@@ -365,8 +367,8 @@ class Bench:
         return b
 
     def rebaseline(self, cg: MemoryCgroup, wl: workload.Workload, base: dict, res: dict) -> dict:
-        """A later round's own unconstrained CHECK (swapoff brought every page back): each
-        round's slowdowns are against a baseline taken minutes, not a quarter hour, before."""
+        """A round's own unconstrained CHECK (swapoff brought every page back): each round's
+        slowdowns are against a baseline taken seconds, not many minutes, before."""
         cpu0, t = tree_cpu(cg.pids()), time.monotonic()
         wl.send("CHECK")
         check = parse_check(wl.expect("CHECK", self.opts.timeout))
@@ -617,7 +619,8 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     doc = {"date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
            "command": command_line(argv), "machine": machine(), "options": asdict(opts),
-           "dictionaries": dicts, "configs": [asdict(c) for c in configs]}
+           "dictionaries": dicts, "configs": [asdict(c) for c in configs],
+           "rebaseline_every_round": a.repeat > 1}
     bench = Bench(specs, configs, opts, prog)
     try:
         with driver.teardown_on_signals():  # SIGTERM/SIGHUP: the finally blocks still detach
