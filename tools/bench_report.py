@@ -480,7 +480,7 @@ def chart(doc: dict, path: str) -> None:
     ws = list(doc["workloads"].values())
     data = chart_data(doc)
     n = n_rounds(doc)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 5.2), constrained_layout=True)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5.6), layout="constrained")
     panels = (
         (axes[0], "saved", "Memory saved: higher is better",
          "memory saved, % of the workload's\nswap-backed memory (1 - physical after / before)", "{:.0f}%"),
@@ -506,8 +506,7 @@ def chart(doc: dict, path: str) -> None:
             top = max([top] + [m + s for m, s in zip(means, sds)])
         if key == "slowdown":
             ax.axhline(1.0, color="dimgrey", linestyle="dashed", linewidth=1,
-                       label="1x: as fast as unconstrained")
-            ax.legend(loc="upper right", fontsize=9, framealpha=0.95)
+                       label="1x: as fast as unconstrained (right panel)")
             ax.set_ylim(0, top * 1.22)
         else:
             ax.set_ylim(0, 100)
@@ -517,7 +516,9 @@ def chart(doc: dict, path: str) -> None:
         ax.set_ylabel(ylabel)
         ax.grid(axis="y", alpha=0.3)
         ax.set_axisbelow(True)
-    axes[0].legend(loc="upper right", fontsize=9, framealpha=0.95)
+    # one legend for both panels, under them: nothing of the bars or their labels is covered
+    handles, labels = axes[1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=3, fontsize=9, frameon=False)
     bars_note = (f"bars: mean of {n} rounds; error bars: ± 1 standard deviation" if n > 1
                  else "single run (no error bars)")
     fig.suptitle(f"agentzip-blk vs zram lz4 on {len(ws)} agent workloads, each squeezed to "
