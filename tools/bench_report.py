@@ -453,6 +453,14 @@ def markdown(doc: dict) -> str:
                      "`dictionary: auto`). Device ratio of zstd 3 with prebuilt dictionaries over "
                      "without: " + (", ".join(gains) or "-") + " (each cycle swaps a slightly "
                      "different set of pages, so differences of a few percent are within noise).")
+    if n_rounds(doc) > 1 and not doc.get("rebaseline_every_round"):
+        notes.append("Round 1's slowdowns are against the unconstrained CHECK timed when the "
+                     "workload was ready, before any wait for the swap lock; under other "
+                     "engineers' load that baseline can be several times the later ones (compare "
+                     "the *unconstrained* rows), which makes round 1's slowdowns too low. The "
+                     "CHECK-time ratio to zram in the targets table is paired within a round and "
+                     "does not depend on the baseline. (tools/bench.py now re-times the baseline "
+                     "before every round.)")
     if doc.get("lock_wait_s"):
         notes.append(f"Wall time without the waits for the swap lock: "
                      f"{(doc['wall_s'] - doc['lock_wait_s']) / 60:.1f} min.")
