@@ -253,13 +253,14 @@ class Options:
     timeout: float = 300.0
     workdir: str = "/tmp"
     mb_scale: float = 1.0
+    repeat: int = 1  # cycles per configuration, interleaved (zram, ours, zram, ours, ...)
 
 
 class Bench:
     def __init__(self, specs: list[WorkloadSpec], configs: list[SwapConfig], opts: Options,
                  prog: driver.Progress):
         self.specs, self.configs, self.opts, self.prog = specs, configs, opts, prog
-        self.total_steps = len(specs) * (1 + len(configs))
+        self.total_steps = len(specs) * (1 + len(configs) * opts.repeat)
         self.step = 0
         self.t0 = time.monotonic()
         self.lock_waits: list[float] = []
@@ -300,12 +301,25 @@ class Bench:
                             f"{base['check_wall_s']:.2f}s; resident read p99 {base['latency'].get('p99_us', 0):.1f}us")
             # one lock for all configurations of a workload: a couple of minutes, and the
             # configurations run back to back on the same idle heap
+            # --repeat: the configurations take turns, round after round, so that a drift of
+            # the machine (another engineer's load) lands on all of them alike; the first
+            # round is `configs`, later rounds `repeats` (older JSON has no `repeats`)
             with swap_lock(self.prog, self.lock_waits):
-                for cfg in self.configs:
-                    self._header(f"{spec.key} {spec.name} x {cfg.name}")
-                    r = self.cycle(cfg, cg, wl, base)
-                    res["configs"][cfg.name] = r
-                    self.prog.phase(_one_line(cfg.name, r))
+                for rnd in range(o.repeat):
+                    # with --repeat, every round (the first too, now that we hold the lock:
+                    # the wait for it can be minutes of someone else's load) times its own
+                    rbase = base if o.repeat == 1 else self.rebaseline(cg, wl, base, res)
+                    for cfg in self.configs:
+                        tag = f" (round {rnd + 1}/{o.repeat})" if o.repeat > 1 else ""
+                        self._header(f"{spec.key} {spec.name} x {cfg.name}{tag}")
+                        r = self.cycle(cfg, cg, wl, rbase)
+                        if rnd == 0:
+                            res["configs"][cfg.name] = r
+                        else:
+                            res.setdefault("repeats", {}).setdefault(cfg.name, []).append(r)
+                        self.prog.phase(_one_line(cfg.name, r))
+                        if not wl.alive():
+                            break
                     if not wl.alive():
                         break
             wl.send("TOUCH")
@@ -329,7 +343,8 @@ class Bench:
                 cg.remove()
         res["ok"] = (not res.get("error") and res.get("final_verify", {}).get("result") == "ok"
                      and res.get("exit_status") == 0
-                     and all(c.get("verify") == "ok" for c in res["configs"].values()))
+                     and all(c.get("verify") == "ok" for c in res["configs"].values())
+                     and all(c.get("verify") == "ok" for rs in res.get("repeats", {}).values() for c in rs))
         return res
 
     def baseline(self, cg: MemoryCgroup, wl: workload.Workload, ready_size: int, build_s: float) -> dict:
@@ -352,6 +367,20 @@ class Bench:
         b["latency"] = latency_summary(pagewalk.probe(cg.pids(), o.probe_samples, swapped=False, seed=o.seed))
         return b
 
+    def rebaseline(self, cg: MemoryCgroup, wl: workload.Workload, base: dict, res: dict) -> dict:
+        """A round's own unconstrained CHECK (swapoff brought every page back): each round's
+        slowdowns are against a baseline taken seconds, not many minutes, before."""
+        cpu0, t = tree_cpu(cg.pids()), time.monotonic()
+        wl.send("CHECK")
+        check = parse_check(wl.expect("CHECK", self.opts.timeout))
+        b = {**base, "check_wall_s": time.monotonic() - t, "check_cpu_s": tree_cpu(cg.pids()) - cpu0}
+        if check["result"] != "ok" or check["checksum"] != base["check"]["checksum"]:
+            raise common.DemoError(f"unconstrained CHECK between rounds: {check}")
+        res.setdefault("baseline_rounds", []).append(
+            {"check_wall_s": b["check_wall_s"], "check_cpu_s": b["check_cpu_s"]})
+        self.prog.phase(f"{res['key']} unconstrained CHECK again: {b['check_wall_s']:.2f}s")
+        return b
+
     # -- one swap configuration ---------------------------------------------------------
 
     def backend(self, cfg: SwapConfig, run_dir: str) -> backends.SwapBackend:
@@ -371,7 +400,7 @@ class Bench:
 
     def cycle(self, cfg: SwapConfig, cg: MemoryCgroup, wl: workload.Workload, base: dict) -> dict:
         o = self.opts
-        r: dict = {"config": asdict(cfg)}
+        r: dict = {"config": asdict(cfg), "loadavg_1m": _loadavg()}  # a shared machine: say how busy
         others = common.proc_swaps()
         if others:
             r["error"] = "swap already active (" + ", ".join(s["filename"] for s in others) + ")"
@@ -454,6 +483,7 @@ def derive(r: dict, cfg: SwapConfig, base: dict) -> None:
     # plus what holds the rest); on swap-backed memory, file pages excluded on both sides
     r["physical_after"] = r["swap_backed_after"] + r["device_cost"]
     r["ratio_field"] = r["swap_backed_before"] / r["physical_after"] if r["physical_after"] else None
+    r["baseline_check_wall_s"] = base["check_wall_s"]  # this round's (see Bench.rebaseline)
     r["slowdown"] = r["check_wall_s"] / base["check_wall_s"] if base["check_wall_s"] else None
     # CPU spent on swapping: reclaim in the limit writer (zram compresses there), the server
     # (agentzip compresses and decompresses there), and what CHECK cost the workload on top
@@ -491,6 +521,14 @@ def _kill_all(cg: MemoryCgroup) -> None:
         time.sleep(0.1)
 
 
+def _loadavg() -> float | None:
+    try:
+        with open("/proc/loadavg") as f:
+            return float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _safe(fn, default=None):
     try:
         return fn()
@@ -523,7 +561,7 @@ def machine() -> dict:
             "node": _version(["node", "--version"]),
             "chromium": _version([find_chromium() or "chromium", "--version"]),
             "nbdkit": _version(["nbdkit", "--version"]), "zswap": facts.zswap_enabled(),
-            "page_cluster": page_cluster,
+            "page_cluster": page_cluster, "loadavg_1m": _loadavg(),
             "cgroup": _safe(lambda: MemoryCgroup.own().version)}
 
 
@@ -538,6 +576,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workloads", default="A,B,C,D", help="keys to run (default A,B,C,D)")
     ap.add_argument("--configs", default="", help="comma-separated configuration names (default: all)")
+    ap.add_argument("--repeat", type=int, default=1, metavar="N",
+                    help="run every configuration N times per workload, in turns (error bars; default 1)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--mb-scale", type=float, default=1.0, help="scale every workload's size (tests)")
     ap.add_argument("--limit-fraction", type=float, default=0.1,
@@ -550,6 +590,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-md", action="store_true", help="do not touch BENCHMARKS.md or the chart")
     ap.add_argument("--from-json", metavar="PATH", help="no run: regenerate BENCHMARKS.md and the chart")
     a = ap.parse_args(argv)
+    if a.repeat < 1:
+        ap.error("--repeat must be at least 1")
 
     if a.from_json:
         with open(a.from_json) as f:
@@ -573,12 +615,13 @@ def main(argv=None) -> int:
     specs_all = workloads(sys.executable)
     specs = [specs_all[k.strip()] for k in a.workloads.split(",") if k.strip()]
     opts = Options(seed=a.seed, limit_fraction=a.limit_fraction, probe_samples=a.probe_samples,
-                   mb_scale=a.mb_scale)
+                   mb_scale=a.mb_scale, repeat=a.repeat)
     prog = driver.Progress(sys.stderr)
     t0 = time.monotonic()
     doc = {"date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
            "command": command_line(argv), "machine": machine(), "options": asdict(opts),
-           "dictionaries": dicts, "configs": [asdict(c) for c in configs]}
+           "dictionaries": dicts, "configs": [asdict(c) for c in configs],
+           "rebaseline_every_round": a.repeat > 1}
     bench = Bench(specs, configs, opts, prog)
     try:
         with driver.teardown_on_signals():  # SIGTERM/SIGHUP: the finally blocks still detach

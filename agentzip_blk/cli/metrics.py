@@ -9,7 +9,8 @@ from ._common import PROG, CliError, control_path_of, run_dir_of, serve_until_in
 
 
 def cmd_metrics(args) -> int:
-    from ..fleet.metrics import CgroupSource, Collector, control_stats, make_server, parse_listen
+    from ..fleet.metrics import (BuildInfo, CgroupSource, Collector, HostSource, control_stats,
+                                 make_server, parse_listen)
 
     try:
         listen = parse_listen(args.listen)
@@ -24,7 +25,9 @@ def cmd_metrics(args) -> int:
     if not args.no_cgroups:
         cgroups_fn = CgroupSource(run_dir_of(args), args.config, args.cgroup_root or "/",
                                   args.cgroup_interval)
-    server = make_server(listen, Collector(stats, cgroups_fn))
+    collector = Collector(stats, cgroups_fn, HostSource(run_dir_of(args), args.config),
+                          BuildInfo.detect())
+    server = make_server(listen, collector)
     host, port = server.server_address[:2]
     print(f"{PROG}: metrics on http://{host}:{port}/metrics", flush=True)
     return serve_until_interrupted(server)

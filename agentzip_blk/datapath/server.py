@@ -250,6 +250,8 @@ class Server:
             "rss_bytes": procfs.process_rss(os.getpid()),
             "locked_bytes": procfs.process_locked(os.getpid()),
             "uptime_s": round(time.time() - self.started, 1),
+            # Unix time (wall clock): a restart shows as a step, unlike an uptime that resets
+            "start_time_s": round(self.started, 3),
             "memory_locked": self.protection.memory_locked is None,
             "oom_score_lowered": self.protection.oom_score is None,
             "io_flusher": self.protection.io_flusher is None,

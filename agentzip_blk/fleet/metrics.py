@@ -21,6 +21,15 @@ scrape, not an HTTP endpoint inside nbdkit. Why:
 Nothing is cached between scrapes except the per-cgroup table (``--cgroup-interval``,
 default 30 s), because walking pagemaps is the expensive part.
 
+Three things come from the exporter's side, not from ``stats``, because they must be known
+while the server is down: ``agentzip_swap_attached`` (the run state's device is in
+/proc/swaps: the alert "server down while swap is attached" needs it), the disk tier's
+filesystem space and cap (``agentzip_disk_filesystem_*``, ``agentzip_disk_max_bytes``), and
+``agentzip_build_info{version,python,nbdkit}`` (the exporter's package version and Python;
+nbdkit from ``nbdkit --version`` once). ``agentzip_start_time_seconds`` is the server's start
+(Unix time, from ``stats``): Prometheus derives uptime from it (``time() - ...``), and a
+restart is a step in it, where an uptime gauge would only dip between two scrapes.
+
 Names follow the Prometheus conventions: ``agentzip_`` prefix, base units (bytes, seconds),
 ``_total`` for counters, labels for kinds. ``agentzip_up`` is 0 when the server does not answer
 its ``health`` verb within ``HEALTH_TIMEOUT`` (dead, stopped, or wedged behind the store lock),
@@ -30,6 +39,10 @@ and nothing else from the server is exported then.
 from __future__ import annotations
 
 import logging
+import os
+import platform
+import shutil
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -144,8 +157,11 @@ def stats_metrics(st: dict) -> Iterator[Metric]:
     yield from (dp, ds)
 
     for key, name, doc in COUNTERS:
-        if key in st:
+        if isinstance(st.get(key), (int, float)):
             yield CounterMetricFamily(_n(name), doc, value=float(st[key]))
+    yield CounterMetricFamily(_n("checksum_errors"), "Reads whose stored bytes failed their "
+                              "checksum (0 when the store does not count them).",
+                              value=float(checksum_errors(st)))
 
     lat = st.get("latency")
     if lat:
@@ -158,9 +174,18 @@ def stats_metrics(st: dict) -> Iterator[Metric]:
     if "locked_bytes" in srv:
         yield GaugeMetricFamily(_n("server_locked_bytes"), "mlocked memory of the server.",
                                 value=float(srv["locked_bytes"] or 0))
-    if "uptime_s" in srv:
-        yield GaugeMetricFamily(_n("server_uptime_seconds"), "Seconds since the server started.",
-                                value=float(srv["uptime_s"]))
+    if "start_time_s" in srv:
+        yield GaugeMetricFamily(_n("start_time_seconds"), "Unix time the server started.",
+                                value=float(srv["start_time_s"]))
+
+
+def checksum_errors(st: dict) -> int:
+    """The store's checksum-failure count, wherever its ``stats`` keeps it: a flat
+    ``checksum_errors`` key, or ``errors`` as a dict with a ``checksum`` entry; 0 without one."""
+    v = st.get("checksum_errors")
+    if v is None and isinstance(st.get("errors"), dict):
+        v = st["errors"].get("checksum")
+    return int(v) if isinstance(v, (int, float)) else 0
 
 
 def latency_metrics(lat: dict) -> Iterator[Metric]:
@@ -241,13 +266,98 @@ class CgroupSource:
                                state.device)
 
 
+@dataclass
+class HostSource:
+    """What the exporter learns without the server: is our device swap now, and how full is
+    the filesystem under the disk tier. Read on every scrape (a stat and /proc/swaps)."""
+
+    run_dir: str
+    config_path: str | None = None
+
+    def __call__(self) -> dict:
+        from .. import procfs
+        from ..config import load_config
+        from ..host.runstate import RunState
+
+        state = RunState.load(self.run_dir)
+        out: dict = {"swap_attached": bool(state and procfs.swap_area(state.device))}
+        try:
+            # the config the server was started with, when the run state names it
+            config = load_config((state and state.config_path) or self.config_path)
+        except Exception as e:  # a bad config must not cost the scrape
+            log.warning("config: %s", e)
+            return out
+        out["disk_max_bytes"] = config.pool.swap_out_max_size
+        d = os.path.dirname(os.path.abspath(config.pool.swap_out_path))
+        try:
+            vfs = os.statvfs(d)
+        except OSError:
+            return out
+        out["disk_fs_size_bytes"] = vfs.f_blocks * vfs.f_frsize
+        out["disk_fs_avail_bytes"] = vfs.f_bavail * vfs.f_frsize
+        return out
+
+
+def host_metrics(h: dict) -> Iterator[Metric]:
+    yield GaugeMetricFamily(_n("swap_attached"), "1 when the run state's device is active swap "
+                            "(/proc/swaps), whether or not the server answers.",
+                            value=1.0 if h.get("swap_attached") else 0.0)
+    if "disk_max_bytes" in h:
+        yield GaugeMetricFamily(_n("disk_max_bytes"), "Cap of the disk-tier file "
+                                "(pool.swap_out_max_size; 0 = the filesystem's space).",
+                                value=float(h["disk_max_bytes"]))
+    if "disk_fs_size_bytes" in h:
+        yield GaugeMetricFamily(_n("disk_filesystem_size_bytes"),
+                                "Size of the filesystem holding the disk-tier file.",
+                                value=float(h["disk_fs_size_bytes"]))
+        yield GaugeMetricFamily(_n("disk_filesystem_avail_bytes"), "Space left for the disk "
+                                "tier on its filesystem (statvfs f_bavail).",
+                                value=float(h["disk_fs_avail_bytes"]))
+
+
+def _nbdkit_version() -> str:
+    exe = shutil.which("nbdkit")
+    if not exe:
+        return "none"
+    try:
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    parts = out.split()
+    return parts[1] if len(parts) >= 2 else "unknown"  # "nbdkit 1.32.5"
+
+
+@dataclass(frozen=True)
+class BuildInfo:
+    version: str
+    python: str
+    nbdkit: str
+
+    @classmethod
+    def detect(cls) -> BuildInfo:
+        from .. import __version__
+
+        return cls(__version__, platform.python_version(), _nbdkit_version())
+
+    def metric(self) -> Metric:
+        m = GaugeMetricFamily(_n("build_info"), "Always 1; the labels name the agentzip-blk "
+                              "version, the Python and the nbdkit on this host.",
+                              labels=["version", "python", "nbdkit"])
+        m.add_metric([self.version, self.python, self.nbdkit], 1.0)
+        return m
+
+
 class Collector:
     """prometheus_client custom collector: one ``stats`` request per scrape."""
 
     def __init__(self, stats_fn: Callable[[], dict],
-                 cgroups_fn: Callable[[], dict | None] | None = None) -> None:
+                 cgroups_fn: Callable[[], dict | None] | None = None,
+                 host_fn: Callable[[], dict] | None = None,
+                 build: BuildInfo | None = None) -> None:
         self.stats_fn = stats_fn
         self.cgroups_fn = cgroups_fn
+        self.host_fn = host_fn
+        self.build = build
 
     def collect(self) -> Iterator[Metric]:
         t0 = time.perf_counter()
@@ -261,6 +371,13 @@ class Collector:
                                 "stopped or wedged.", value=1.0 if st is not None else 0.0)
         if st is not None:
             yield from stats_metrics(st)
+        if self.build is not None:
+            yield self.build.metric()
+        if self.host_fn is not None:
+            try:
+                yield from host_metrics(self.host_fn())
+            except Exception as e:  # /proc or the run state unreadable: the rest still counts
+                log.warning("host figures: %s", e)
         if self.cgroups_fn is not None:
             res = self.cgroups_fn()
             ok = GaugeMetricFamily(_n("cgroup_stats_available"),

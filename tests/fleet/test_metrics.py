@@ -201,9 +201,10 @@ def test_dashboard_uses_only_exported_metrics():
         {"name": "v8", "source": "prebuilt", "pages": 1, "stored_bytes": 1}]},
         "codec_pages": {"zstd": 1}, "temperature": {"hot": 1},
         **{k: 0 for k, _, _ in metrics.COUNTERS}, **{k: 0 for k, _, _ in metrics.BYTE_GAUGES},
-        "latency": latency.Latency().snapshot()}
+        "latency": latency.Latency().snapshot(), "server": {"start_time_s": 1.0}}
     col = metrics.Collector(lambda: st, lambda: {"cgroups": [
-        {"cgroup": "/a", "orig_mem": 1, "stored_mem": 1, "pages": 1}]})
+        {"cgroup": "/a", "orig_mem": 1, "stored_mem": 1, "pages": 1}]},
+        lambda: {"swap_attached": True}, metrics.BuildInfo("0", "3", "1"))
     names = set()
     for fam in col.collect():
         names.add(fam.name + ("_total" if fam.type == "counter" else ""))
@@ -216,3 +217,8 @@ def test_dashboard_uses_only_exported_metrics():
     assert used and used <= names, used - names
     titles = " ".join(p["title"].lower() for p in dash["panels"])
     assert "ratio" in titles and "memory saved" in titles and "swap-in" in titles
+    # the request histogram is the server's own time, never presented as fault latency
+    for p in dash["panels"]:
+        if any("request_duration" in t["expr"] for t in p["targets"]):
+            assert "server-side" in p["title"].lower(), p["title"]
+            assert " not " in p["title"].lower() and "hop" in p["description"].lower()  # what it leaves out

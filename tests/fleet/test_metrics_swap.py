@@ -74,7 +74,8 @@ def test_scrape_during_real_swap(tmp_path):
 
             col = metrics.Collector(
                 metrics.control_stats(state.control_socket),
-                metrics.CgroupSource(run_dir, config_path, "/", interval=0.0))
+                metrics.CgroupSource(run_dir, config_path, "/", interval=0.0),
+                metrics.HostSource(run_dir, config_path))
             with exporter(col) as url:
                 m1 = scrape(url)
                 st = stats_json(state.control_socket)
@@ -96,6 +97,7 @@ def test_scrape_during_real_swap(tmp_path):
         return m1[k], m2[k]
 
     assert both("agentzip_up") == (1, 1)
+    assert both("agentzip_swap_attached") == (1, 1)  # the device is in /proc/swaps
     print(f"\norig {st['orig_mem']} stored {st['stored_mem']} ratio {st['ratio']} "
           f"pages {st['pages']} reads {st['reads']} writes {st['writes']}")
     assert st["orig_mem"] >= 16 * MiB
