@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import fcntl
 import importlib.util
 import json
 import os
@@ -49,6 +48,7 @@ for _p in (REPO, WORKLOADS_DIR, os.path.dirname(os.path.abspath(__file__))):
         sys.path.insert(0, _p)
 
 import bench_report  # noqa: E402
+import swaplock  # noqa: E402
 import pagewalk  # noqa: E402
 from agentzip_blk import procfs
 from agentzip_blk.cgroups.fs import CgroupError, MemoryCgroup  # noqa: E402
@@ -58,7 +58,6 @@ from agentzip_blk.host import facts
 MiB = 1 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE")
 TICK = os.sysconf("SC_CLK_TCK")
-SWAP_LOCK = "/tmp/agentzip-swap.lock"
 
 
 @dataclass
@@ -123,53 +122,16 @@ def swap_configs(with_dictionaries: bool) -> list[SwapConfig]:
 
 
 # ---------------------------------------------------------------------------------------
-# the swap lock (machine-wide: every run that attaches swap holds it)
-
-
-def _lock_held_by_ancestor(path: str) -> bool:
-    """True when a process above us holds the flock on *path* (``flock LOCK tools/bench.py``)."""
-    try:
-        st = os.stat(path)
-        with open("/proc/locks") as f:
-            locks = f.read().splitlines()
-    except OSError:
-        return False
-    holders = set()
-    for line in locks:
-        p = line.split()
-        if len(p) >= 6 and p[1] == "FLOCK" and p[5].rsplit(":", 1)[-1] == str(st.st_ino):
-            holders.add(int(p[4]))
-    pid = os.getppid()
-    while pid > 1:
-        if pid in holders:
-            return True
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                pid = int(f.read().rpartition(")")[2].split()[1])
-        except (OSError, ValueError, IndexError):
-            return False
-    return False
+# the swap lock (machine-wide: every run that attaches swap holds it; tools/swaplock.py)
 
 
 @contextlib.contextmanager
-def swap_lock(prog: driver.Progress, waited: list[float], path: str = SWAP_LOCK):
+def swap_lock(prog: driver.Progress, waited: list[float]):
     """Hold the machine-wide swap lock; seconds spent waiting for it are appended to *waited*."""
-    if _lock_held_by_ancestor(path):
-        yield  # the caller ran us under flock(1): the lock is already ours
-        return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            prog.phase(f"waiting for {path} (someone else has swap attached)")
-            t = time.monotonic()
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            waited.append(time.monotonic() - t)
-            prog.phase(f"got {path} after {waited[-1]:.0f}s")
+    with swaplock.swap_lock(prog.phase) as w:
+        if w:
+            waited.append(w)
         yield
-    finally:
-        os.close(fd)  # releases the lock
 
 
 # ---------------------------------------------------------------------------------------
