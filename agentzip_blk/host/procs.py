@@ -4,12 +4,14 @@ session, wait for it, tell whether a pid is still the process we started, stop i
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
 
 from .. import procfs
-from ..errors import DeviceError
+from ..errors import DeviceError, SetupError
+from .rundir import open_private
 
 
 # /proc/PID/stat states of a process that runs no code until SIGCONT
@@ -26,6 +28,20 @@ def tail(path: str, lines: int = 15) -> str:
     except OSError:
         return ""
     return "\n".join(data.rstrip("\n").splitlines()[-lines:])
+
+
+_OUR_ERROR = re.compile(r"\bagentzip_blk(?:\.\w+)+: (.+)$")  # "agentzip_blk.store.disk.DiskError: ..."
+
+
+def our_error(log: str) -> str | None:
+    """The message of the last agentzip_blk error a traceback in ``log`` ends with, if any:
+    nbdkit prints the plugin's traceback over many lines; the operator needs its last one."""
+    found = None
+    for line in log.splitlines():
+        m = _OUR_ERROR.search(line.strip())
+        if m:
+            found = m.group(1).strip()
+    return found
 
 
 def run_tool(argv: list[str], timeout: float = 60.0, what: str | None = None) -> str:
@@ -57,7 +73,7 @@ def read_pidfile(path: str) -> int | None:
 
 def spawn(argv: list[str], log_path: str, env: dict | None = None) -> subprocess.Popen:
     """Start a long-running helper detached in its own session, logging to ``log_path``."""
-    with open(log_path, "ab") as log:
+    with open_private(log_path, "ab") as log:  # 0600, never through a symlink
         log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(argv)}\n".encode())
         log.flush()
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
@@ -70,8 +86,12 @@ def wait_ready(proc: subprocess.Popen, pidfile: str, paths: list[str], timeout: 
     while True:
         rc = proc.poll()
         if rc is not None:
+            log = tail(log_path)
+            ours = our_error(log)
+            if ours:  # the plugin refused to start (bad config, a refused tier file): say why
+                raise SetupError(f"{what} refused to start: {ours} (log {log_path})")
             raise DeviceError(f"{what} exited with status {rc} during start-up; "
-                              f"log {log_path}:\n{tail(log_path)}")
+                              f"log {log_path}:\n{log}")
         if read_pidfile(pidfile) and all(os.path.exists(p) for p in paths):
             return
         if time.monotonic() > deadline:
