@@ -15,7 +15,6 @@ passed and no data was lost.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import os
 import shutil
@@ -27,7 +26,8 @@ import xml.etree.ElementTree as ET
 from collections import defaultdict
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SWAP_LOCK = "/tmp/agentzip-swap.lock"
+sys.path.insert(0, os.path.join(REPO, "tools"))
+from swaplock import swap_lock  # noqa: E402
 
 
 def _fmt_bytes(n: int) -> str:
@@ -64,9 +64,7 @@ def run(fast: bool, examples: int | None, extra: list[str]) -> dict:
            os.path.join(REPO, "tests", "reliability"), "-m", "not slow" if fast else "",
            f"--junitxml={junit}", *extra]
     t0 = time.monotonic()
-    print(f"reliability: waiting for {SWAP_LOCK} ...", file=sys.stderr, flush=True)
-    with open(SWAP_LOCK, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with swap_lock(lambda msg: print(f"reliability: {msg}", file=sys.stderr, flush=True)):
         print(f"reliability: {' '.join(cmd)}", file=sys.stderr, flush=True)
         rc = subprocess.run(cmd, cwd=REPO, env=env).returncode
     seconds = time.monotonic() - t0
