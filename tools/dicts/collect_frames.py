@@ -28,7 +28,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -37,6 +36,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools", "workloads"))
 
 from agentzip_blk.cgroups import procmem  # noqa: E402
 from pagewalk import descendants  # noqa: E402
+from collect import filter_pages  # noqa: E402  (same directory: this script's sys.path[0])
 
 W = os.path.join(ROOT, "tools", "workloads")
 PY = sys.executable
@@ -57,18 +57,6 @@ def ordered_pages(pids: list[int]) -> list[bytes]:
         except procmem.ProcMemError:
             pass  # exited meanwhile
     return pages
-
-
-def keep_stored(pages: list[bytes]) -> list[bytes]:
-    """The pages the store compresses, in order: not same-filled, not a repeat."""
-    seen, out = set(), []
-    for p in pages:
-        w = np.frombuffer(p, dtype=np.uint64)
-        if (w == w[0]).all() or p in seen:
-            continue
-        seen.add(p)
-        out.append(p)
-    return out
 
 
 def run_one(argv: list[str], mb: float, seed: int) -> list[bytes]:
@@ -103,7 +91,7 @@ def main() -> int:
         for role, seed in SEEDS.items():
             t0 = time.time()
             raw = run_one(argv, a.mb, seed)
-            kept = keep_stored(raw)
+            kept = filter_pages(raw)  # what the store compresses, in order
             file = f"{key}-{seed}.pages"
             with open(os.path.join(a.out, file), "wb") as f:
                 f.write(b"".join(kept))
