@@ -1,6 +1,6 @@
 """Who can reach the data, through the installed CLI in separate processes (issue 16): after
 `agentzip-blk up`, another uid gets a clear error from `status` and EACCES on control.sock,
-nbd.sock and the FUSE device file; root's `status` and `down` work."""
+nbd.sock, the FUSE device file and the disk-tier file; root's `status` and `down` work."""
 
 from __future__ import annotations
 
@@ -82,7 +82,12 @@ def test_cli_up_then_other_uid_is_shut_out():
         targets = [state["nbd_socket"], state["control_socket"]]
         if state.get("fuse_file"):
             targets.append(state["fuse_file"])
-        # another uid: one clear line and exit 2 from status, EACCES on everything
+        tier = os.path.join(base, "tier")  # the disk tier, in a directory everyone may search
+        st = os.lstat(tier)
+        assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == 0
+        targets.append(tier)
+        # another uid: one clear line and exit 2 from status, EACCES on everything (sockets,
+        # the device file, the tier file)
         other = _az("status", config=config, uid=NOBODY)
         assert other.returncode == 2, other.stdout + other.stderr
         assert other.stderr.startswith("agentzip-blk: error: ")
