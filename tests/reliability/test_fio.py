@@ -35,14 +35,23 @@ def verify_failures(res) -> int:
     return sum(1 for j in res.jobs if j.get("error") == 84) + res.stderr.count("verify: bad ")
 
 
-def run_suite(tmp, target: list[str], region: int, seed: int) -> dict:
+def run_suite(tmp, target: list[str], region: int, seed: int, area: str) -> dict:
     """Every job over `region` bytes, then trim it all and check it reads as zeros. `lost`:
-    fio's verify failures, counted before the asserts (a failing run reports them too)."""
-    verified = traffic = lost = 0
+    fio's verify failures, counted before the asserts and recorded under `area` whatever
+    happens (a failing run reports what it lost too)."""
+    out = {"verified": 0, "traffic": 0, "lost": 0}
+    try:
+        return _suite(tmp, target, region, seed, out)
+    finally:
+        support.record(area, bytes_verified=out["verified"], data_lost=out["lost"])
+
+
+def _suite(tmp, target: list[str], region: int, seed: int, out: dict) -> dict:
+    verified = traffic = 0
     for i, (name, args) in enumerate(JOBS):
         res = support.fio(tmp, name, *target, f"--size={region}", "--verify=crc32c",
                           f"--randseed={seed + i}", *args)
-        lost += verify_failures(res)
+        out["lost"] += verify_failures(res)
         assert res.returncode == 0 and not res.errors and res.jobs, \
             f"fio {name}: rc {res.returncode}, errors {res.errors}\n{res.stderr[-3000:]}"
         writes, reads = res.bytes("write"), res.bytes("read")
@@ -50,40 +59,39 @@ def run_suite(tmp, target: list[str], region: int, seed: int) -> dict:
         traffic += writes + reads + res.bytes("trim")
         # randrw reads unwritten blocks too; what is verified is every written block
         verified += writes if "randrw" in name else reads
+        out["verified"] = verified
     res = support.fio(tmp, "trim-all", *target, f"--size={region}", "--rw=randtrim",
                       "--bsrange=4k-1m", "--iodepth=8", f"--randseed={seed}")
     assert res.returncode == 0 and not res.errors, res.stderr[-3000:]
     assert res.bytes("trim") == region
     res = support.fio(tmp, "zero-check", *target, f"--size={region}", "--rw=read", "--bs=1m",
                       "--iodepth=4", "--verify=pattern", "--verify_pattern=0x00")
-    lost += verify_failures(res)
+    out["lost"] += verify_failures(res)
     assert res.returncode == 0 and not res.errors, \
         f"trimmed blocks did not read back as zeros:\n{res.stderr[-3000:]}"
-    verified += res.bytes("read")
-    traffic += region * 2
-    return {"verified": verified, "traffic": traffic, "lost": lost}
+    out["verified"] = verified + res.bytes("read")
+    out["traffic"] = traffic + region * 2
+    return out
 
 
 def _nbd(tmp_path, region: int, seed: int) -> dict:
     with support.server(tmp_path, size=str(2 * region)) as srv:
         target = ["--ioengine=nbd", f"--uri=nbd+unix:///?socket={srv.nbd_socket}"]
-        out = run_suite(tmp_path, target, region, seed)
+        out = run_suite(tmp_path, target, region, seed, "fio_nbd")
         st = support.stats(srv)
         assert st["errors"] == 0 and st["enospc"] == 0
         assert st["compressed_pages"] + st["raw_pages"] + st["same_pages"] == st["pages"]
         assert st["pages"] == 0, "everything was trimmed"
         assert srv.proc.poll() is None
-    support.record("fio_nbd", bytes_verified=out["verified"], data_lost=out["lost"])
     return out
 
 
 def _loop(tmp_path, region: int, seed: int) -> dict:
     with support.loop_chain(tmp_path, size=str(2 * region)) as chain:
         target = ["--ioengine=libaio", "--direct=1", f"--filename={chain.loop}"]
-        out = run_suite(tmp_path, target, region, seed)
+        out = run_suite(tmp_path, target, region, seed, "fio_loop")
         st = support.stats(chain.server)
         assert st["errors"] == 0 and st["enospc"] == 0 and st["pages"] == 0
-    support.record("fio_loop", bytes_verified=out["verified"], data_lost=out["lost"])
     return out
 
 
