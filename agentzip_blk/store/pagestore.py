@@ -324,7 +324,7 @@ class PageStore:
         self.dicts.maybe_collect(self.blobs)
         placed: list[tuple[int, int]] = [(0, 0)] * len(pages)  # (blob, page in blob)
         try:
-            self.placer.place(pages, now, placed, staged, early.hashes, early.frames)
+            self.placer.place(pages, now, placed, staged, early.hashes, early.frames, early.copies)
             if self.disk and self.disk.writes != disk_before:
                 # Inside the try: a failed write-back fails the request and releases its
                 # staged blobs (they used to leak, with no slot referring to them).

@@ -52,6 +52,7 @@ class Prepared:
     todo: list[int]
     pages: list[memoryview]
     hashes: list[tuple[int, int]] | None = None
+    copies: tuple[list[int], dict[int, int]] | None = None  # first_copies(pages, hashes)
     frames: dict[tuple[int, ...], tuple[bytes, int]] = field(default_factory=dict)
 
 
@@ -124,7 +125,9 @@ class Placer:
             return None
         early = self.split(data, len(data) // page)
         early.hashes = self.hashes(early.pages)
-        fresh, _ = first_copies(early.pages, early.hashes, self.dedup)
+        # worked out once, here, before the lock: `place` reuses it under the lock
+        early.copies = first_copies(early.pages, early.hashes, self.dedup)
+        fresh = early.copies[0]
         step = self.frame_pages
         groups = [tuple(fresh[start : start + step]) for start in range(0, len(fresh), step)]
         joined = [b"".join(early.pages[n] for n in g) for g in groups if len(g) > 1]
@@ -144,14 +147,15 @@ class Placer:
     def place(self, pages: list[memoryview], now: int,
               placed: list[tuple[int, int]], staged: list[int],
               hashes: list[tuple[int, int]] | None = None,
-              frames: dict[tuple[int, ...], bytes] | None = None) -> None:
+              frames: dict[tuple[int, ...], tuple[bytes, int]] | None = None,
+              copies: tuple[list[int], dict[int, int]] | None = None) -> None:
         """Find or store a home for each page: an equal page already stored (any blob, any
         page of a frame), an equal page earlier in this request, or a new blob. Fills
         `placed` with (blob, page in blob) and appends every reference taken to `staged`.
-        `hashes` and `frames` come from `prepare` when it ran."""
+        `hashes`, `frames` and `copies` come from `prepare` when it ran."""
         if hashes is None:
             hashes = self.hashes(pages)
-        firsts, repeat_of = first_copies(pages, hashes, self.dedup)
+        firsts, repeat_of = copies if copies is not None else first_copies(pages, hashes, self.dedup)
         fresh: list[int] = []  # positions of pages to store
         repeats: list[tuple[int, int]] = []  # (position, earlier position with equal bytes)
         found_at: set[int] = set()
@@ -211,7 +215,7 @@ class Placer:
     def store_group(self, group: list[int], pages: list[memoryview],
                     hashes: list[tuple[int, int]], now: int, chooser: _Chooser | None,
                     placed: list[tuple[int, int]], staged: list[int],
-                    frames: dict[tuple[int, ...], bytes] | None = None) -> None:
+                    frames: dict[tuple[int, ...], tuple[bytes, int]] | None = None) -> None:
         """Store the pages at positions `group`: as one frame when there are several and
         they compress well enough together, else one blob per page. `frames` may hold the
         group already compressed (a page found stored shifts the groups: then not)."""
