@@ -38,6 +38,44 @@ _LZ4_STATE_BYTES = 16 * 1024
 _LZ4HC_STATE_BYTES = 256 * 1024
 
 
+class ContextPool:
+    """Contexts for many threads, one per concurrent caller. A zstd context must not be used
+    by two threads at once, and requests compress and decompress in parallel outside the
+    store lock: each call borrows an idle context, or makes one on first need, at most one per
+    CPU plus one (more would not run in parallel, and each costs memory)."""
+
+    def __init__(self, make: Callable[[], object], size: int | None = None) -> None:
+        first = make()
+        self._make = make
+        self._made = [first]
+        self._idle = [first]
+        self._lock = threading.Lock()
+        self._turns = threading.BoundedSemaphore(size or (os.cpu_count() or 1) + 1)
+
+    @property
+    def first(self):
+        return self._made[0]
+
+    def run(self, call: Callable):
+        """call(context), with a context no other thread is using meanwhile."""
+        with self._turns:
+            with self._lock:
+                ctx = self._idle.pop() if self._idle else None
+            if ctx is None:
+                ctx = self._make()
+                with self._lock:
+                    self._made.append(ctx)
+            try:
+                return call(ctx)
+            finally:
+                with self._lock:
+                    self._idle.append(ctx)
+
+    def made(self) -> list:
+        with self._lock:
+            return list(self._made)
+
+
 class Codec:
     """Compresses and decompresses one page at a time."""
 
@@ -87,7 +125,8 @@ class ZstdCodec(Codec):
         self.level = level
         params = _page_params(level, page_size)
         self._cctx = zstandard.ZstdCompressor(compression_params=params)
-        self._dctx = zstandard.ZstdDecompressor(format=zstandard.FORMAT_ZSTD1_MAGICLESS)
+        self._dctx: ContextPool | None = ContextPool(
+            lambda: zstandard.ZstdDecompressor(format=zstandard.FORMAT_ZSTD1_MAGICLESS))
 
     def compress(self, page) -> bytes:
         return self._cctx.compress(page)
@@ -95,7 +134,7 @@ class ZstdCodec(Codec):
     def decompress(self, data, size: int | None = None) -> bytes:
         size = size or self.page_size
         try:
-            out = self._dctx.decompress(data, max_output_size=size)
+            out = self._dctx.run(lambda dctx: dctx.decompress(data, max_output_size=size))
         except zstandard.ZstdError as exc:
             raise CodecError(f"zstd: {exc}") from exc
         if len(out) != size:
@@ -103,7 +142,7 @@ class ZstdCodec(Codec):
         return out
 
     def memory_bytes(self) -> int:
-        return self._cctx.memory_size() + self._dctx.memory_size()
+        return self._cctx.memory_size() + sum(d.memory_size() for d in self._dctx.made())
 
 
 DICT_KINDS = ("raw", "full")  # raw content only / a trained dictionary with entropy tables
@@ -141,8 +180,9 @@ class ZstdDictCodec(ZstdCodec):
         if shared is None:
             cdict = _dict_data(self.content, kind)
             cdict.precompute_compress(compression_params=params)
-            self._dctx = zstandard.ZstdDecompressor(dict_data=_dict_data(self.content, kind),
-                                                    format=zstandard.FORMAT_ZSTD1_MAGICLESS)
+            ddict = _dict_data(self.content, kind)  # digested once, shared by the contexts
+            self._dctx = ContextPool(lambda: zstandard.ZstdDecompressor(
+                dict_data=ddict, format=zstandard.FORMAT_ZSTD1_MAGICLESS))
             # The digested dictionary's match tables (zstd sizes them from these parameters;
             # python-zstandard has no accessor for a CDict's size) + its copy of the content.
             self._cdict_bytes = (4 * ((1 << params.hash_log) + (1 << params.chain_log))
@@ -221,37 +261,20 @@ class Lz4HcCodec(Lz4Codec):
 
 
 class PooledCodec:
-    """One codec for many threads. A zstd context must not be used by two threads at once, so
-    each compress borrows a context of its own, made on first need: at most one per CPU plus
-    one (the store compresses frames outside its lock as well as under it). That also bounds
-    their memory and the parallel work to what the machine can run."""
+    """One codec for many threads: each compress borrows a codec of its own (ContextPool),
+    since a zstd context must not be used by two threads at once (the store compresses
+    frames outside its lock as well as under it)."""
 
     def __init__(self, make: Callable[[], Codec], size: int | None = None) -> None:
-        first = make()
+        self._pool = ContextPool(make, size)
+        first = self._pool.first
         self.id, self.name, self.page_size = first.id, first.name, first.page_size
-        self._make = make
-        self._made = [first]
-        self._idle = [first]
-        self._lock = threading.Lock()
-        self._turns = threading.BoundedSemaphore(size or (os.cpu_count() or 1) + 1)
 
     def compress(self, data) -> bytes:
-        with self._turns:
-            with self._lock:
-                codec = self._idle.pop() if self._idle else None
-            if codec is None:
-                codec = self._make()
-                with self._lock:
-                    self._made.append(codec)
-            try:
-                return codec.compress(data)
-            finally:
-                with self._lock:
-                    self._idle.append(codec)
+        return self._pool.run(lambda codec: codec.compress(data))
 
     def memory_bytes(self) -> int:
-        with self._lock:
-            return sum(codec.memory_bytes() for codec in self._made)
+        return sum(codec.memory_bytes() for codec in self._pool.made())
 
 
 def pays(length: int, pages: int = 1) -> bool:

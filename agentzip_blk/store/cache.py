@@ -4,26 +4,32 @@ Two uses: hot pages (only pages read twice within `policy.hot_threshold_ms` get 
 one-pass swap-in does not churn it), and the last few decompressed multi-page frames (a
 swap-in reads a frame's pages one request after another; without the copy every page would
 decompress the whole frame again). Bounded by bytes; each entry's Python overhead is
-counted with it.
+counted with it. `drop_idle` lets the frame copies go once their swap-in has passed: they
+are counted in the store's memory, and the kernel keeps the pages it read in its swap cache.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 ENTRY_OVERHEAD = 160  # bytes object header + OrderedDict node + key int
 
 
 class HotCache:
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.capacity_bytes = capacity_bytes
         self._entries: OrderedDict[int, bytes] = OrderedDict()
+        self._used: dict[int, float] = {}  # last get or put, by blob
         self._bytes = 0  # held, entry overheads included
+        self._clock = clock
 
     def get(self, blob: int) -> bytes | None:
         data = self._entries.get(blob)
         if data is not None:
             self._entries.move_to_end(blob)
+            self._used[blob] = self._clock()
         return data
 
     def put(self, blob: int, data: bytes) -> None:
@@ -32,15 +38,34 @@ class HotCache:
             return
         self.discard(blob)
         self._entries[blob] = data
+        self._used[blob] = self._clock()
         self._bytes += cost
         while self._bytes > self.capacity_bytes:
-            _, old = self._entries.popitem(last=False)
-            self._bytes -= len(old) + ENTRY_OVERHEAD
+            self.discard(next(iter(self._entries)))
 
     def discard(self, blob: int) -> None:
         data = self._entries.pop(blob, None)
         if data is not None:
             self._bytes -= len(data) + ENTRY_OVERHEAD
+            del self._used[blob]
+
+    def drop_idle(self, max_age: float) -> int:
+        """Drop the entries not used for `max_age` seconds (least recently used first, so
+        the scan stops at the first recent one); the number dropped."""
+        cutoff = self._clock() - max_age
+        dropped = 0
+        while self._entries:
+            oldest = next(iter(self._entries))
+            if self._used[oldest] > cutoff:
+                break
+            self.discard(oldest)
+            dropped += 1
+        return dropped
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._used.clear()
+        self._bytes = 0
 
     def __contains__(self, blob: int) -> bool:
         return blob in self._entries

@@ -64,10 +64,23 @@ class Counters:
     frames_compressed_locked: int = 0
 
 
+class Decoding:
+    """A frame being decompressed by one request, outside the store lock. Readahead sends a
+    frame's neighbouring pages in concurrent requests: the others wait for this one's bytes
+    instead of decompressing the same frame again."""
+
+    def __init__(self, gen: int) -> None:
+        self.gen = gen
+        self.done = threading.Event()
+        self.data: bytes | None = None
+        self.error: BaseException | None = None
+
+
 @dataclass
 class Deferred:
     """A pool blob's bytes as stored, copied under the store lock, to be decompressed after
-    it is released (`Objects.finish`), then cached if the row still holds it (`adopt`)."""
+    it is released (`Objects.finish`), then cached if the row still holds it (`adopt`).
+    With `wait_for`, another request is decompressing the frame: `finish` takes its bytes."""
     blob: int
     gen: int
     codec: int
@@ -76,6 +89,8 @@ class Deferred:
     size: int      # decoded bytes: a page, or a frame
     keep: bool     # cache the copy: a frame always, a page when it is hot
     csum: int = 0  # the blob's checksum, verified after the lock (`Objects.finish`)
+    decoding: Decoding | None = None  # this request decompresses the frame for others too
+    wait_for: Decoding | None = None  # another request does
 
 
 class Objects:
@@ -97,9 +112,8 @@ class Objects:
         self.codec_pages = np.zeros(len(codecs.CODEC_NAMES), dtype=np.int64)
         # set by the tiering: a disk blob a request has read (bytes as stored) may move up
         self.promote: Callable[[int, bytes], None] = lambda blob, stored: None
-        # Decoder contexts are not thread-safe, and reads decompress outside the store lock:
-        # every decompression takes this lock (never the store lock while holding it).
-        self.decode_lock = threading.Lock()
+        # frames being decompressed outside the store lock, by blob (see Decoding)
+        self.decoding: dict[int, Decoding] = {}
 
     # -- new ---------------------------------------------------------------------------
 
@@ -250,25 +264,58 @@ class Objects:
         if blobs.tier[blob] != POOL:
             return self.fetch(blob, is_hot, touch)
         pages = int(blobs.pages[blob])
+        gen = int(blobs.gen[blob])
+        size = pages * self.page_size
+        if pages > 1:
+            other = self.decoding.get(blob)
+            if other is not None and other.gen == gen:
+                self.counters.unit_hits += 1
+                return Deferred(blob, gen, 0, 0, b"", size, False, wait_for=other)
         stored = self.pool.get(int(blobs.arena[blob]), int(blobs.cell[blob]), int(blobs.length[blob]))
-        return Deferred(blob, int(blobs.gen[blob]), int(blobs.codec[blob]),
-                        int(blobs.dict_id[blob]), stored,
-                        pages * self.page_size, pages > 1 or is_hot, int(blobs.csum[blob]))
+        late = Deferred(blob, gen, int(blobs.codec[blob]), int(blobs.dict_id[blob]), stored,
+                        size, pages > 1 or is_hot, int(blobs.csum[blob]))
+        if pages > 1:
+            late.decoding = self.decoding[blob] = Decoding(gen)
+        return late
 
     def decode(self, codec_id: int, stored, dict_id: int, size: int) -> bytes:
-        with self.decode_lock:
-            return self.codecs.decompress(codec_id, stored, dict_id, size)
+        return self.codecs.decompress(codec_id, stored, dict_id, size)
 
     def finish(self, late: Deferred) -> bytes:
-        """Without the store lock: the deferred blob verified and decompressed. A mismatch
-        raises Corrupt; the caller counts it under the lock (`note_corrupt`)."""
-        if not integrity.matches(late.stored, late.csum):
-            raise Corrupt(f"blob {late.blob}: checksum mismatch in its pool cell")
-        return self.decode(late.codec, late.stored, late.dict_id, late.size)
+        """Without the store lock: the deferred blob verified and decompressed (or the bytes
+        of the request that decompresses it). A mismatch raises Corrupt; the caller counts it
+        under the lock (`note_corrupt`), then calls `settle`."""
+        if late.wait_for is not None:
+            late.wait_for.done.wait()
+            if late.wait_for.data is None:
+                raise late.wait_for.error or CodecError(f"blob {late.blob}: not decoded")
+            return late.wait_for.data
+        try:
+            if not integrity.matches(late.stored, late.csum):
+                raise Corrupt(f"blob {late.blob}: checksum mismatch in its pool cell")
+            data = self.decode(late.codec, late.stored, late.dict_id, late.size)
+        except BaseException as exc:
+            if late.decoding is not None:
+                late.decoding.error = exc
+                late.decoding.done.set()
+            raise
+        if late.decoding is not None:
+            late.decoding.data = data
+            late.decoding.done.set()
+        return data
+
+    def settle(self, late: Deferred) -> None:
+        """Under the store lock, after `finish` (whether it decoded or failed): the frame is
+        no longer being decoded."""
+        if late.decoding is not None and self.decoding.get(late.blob) is late.decoding:
+            del self.decoding[late.blob]
 
     def adopt(self, late: Deferred, data: bytes) -> None:
         """Under the store lock again: count the decoding, and cache the copy unless the blob
         was released meanwhile (its row freed, perhaps reused)."""
+        self.settle(late)
+        if late.wait_for is not None:
+            return  # the request that decoded it counts and caches it
         self.counters.decoded_bytes += len(data)
         blobs = self.blobs
         if not late.keep or blobs.ref[late.blob] == 0 or int(blobs.gen[late.blob]) != late.gen:

@@ -47,7 +47,14 @@ from .tiering import DEMOTE_CHUNK, REWRITE_CHUNK, Tiering, Tiers
 TICKS_PER_SECOND = 100  # 10 ms ticks: uint32 lasts 497 days, then ticks are rebased
 _TICK_REBASE = 1 << 31
 _FEW_PAGES = 8  # requests up to this many pages take the scalar read path
-_FRAME_CACHE_FRAMES = 8  # decompressed frames kept for the reads of their other pages
+# Decompressed frames kept for the reads of their other pages. Readahead reads a frame's
+# pages over a whole swap-in pass, not in one burst (the kernel reclaimed them together but
+# they are faulted back in address order): on the demo 8 frames decoded each frame 2.8 times
+# on average, 32 frames 2.3, 128 frames 2.0 (BENCHMARKS.md, "Frame decodes").
+_FRAME_CACHE_FRAMES = 32
+# s: a frame copy not read for this long is dropped by the maintainer: its readahead burst is
+# over, the kernel holds the pages it read, and the copy would count in stored_mem at rest
+FRAME_CACHE_IDLE = 0.5
 _SNAPSHOT_READERS_WITHIN = 60.0  # s: the maintainer refreshes cached stats read this recently
 # s: and at most this often. The scan holds the store lock (~40 ms per 64Ki pages stored,
 # BENCHMARKS.md): at most once per 2 s however many scrapes come, instead of once per scrape.
@@ -199,24 +206,33 @@ class PageStore:
 
     def _finish_reads(self, out: memoryview,
                       late: dict[int, tuple[Deferred, list[tuple[int, int]]]]) -> None:
-        """Decompress each deferred blob once, copy its pages out, then cache the copies."""
+        """Decompress each deferred blob once, copy its pages out, then cache the copies.
+        Frames this request decodes come first, then those it waits for (another request
+        decodes them): a request never waits while others wait for it."""
         page = self.page_size
         done: list[tuple[Deferred, bytes]] = []
-        try:
-            for blob_late, places in late.values():
+        failed: list[tuple[Deferred, BaseException]] = []
+        order = sorted(late.values(), key=lambda entry: entry[0].wait_for is not None)
+        for blob_late, places in order:
+            try:
                 data = memoryview(self.objects.finish(blob_late))
-                for i, sub in places:
-                    out[i * page : (i + 1) * page] = data[sub * page : (sub + 1) * page]
-                done.append((blob_late, data.obj))
-        except Exception as exc:
-            with self.lock:
-                self.counters.errors += 1
-                if isinstance(exc, Corrupt):
-                    self.objects.note_corrupt(exc)
-            raise
+            except BaseException as exc:  # every deferred blob is finished, or others wait
+                failed.append((blob_late, exc))
+                continue
+            for i, sub in places:
+                out[i * page : (i + 1) * page] = data[sub * page : (sub + 1) * page]
+            done.append((blob_late, data.obj))
         with self.lock:
             for blob_late, data in done:
                 self.objects.adopt(blob_late, data)
+            if failed:
+                self.counters.errors += 1
+                for blob_late, exc in failed:
+                    self.objects.settle(blob_late)
+                    if isinstance(exc, Corrupt) and blob_late.wait_for is None:
+                        self.objects.note_corrupt(exc)  # once, by the request that found it
+        if failed:
+            raise failed[0][1]
 
     def read(self, offset: int, length: int) -> bytearray:
         if length < 0:
@@ -462,6 +478,8 @@ class PageStore:
 
     def maintain(self) -> dict:
         result = self.tiers.maintain()
+        with self.lock:
+            self.objects.frames.drop_idle(FRAME_CACHE_IDLE)
         # one scan per round, and only while someone reads the cached stats (a scraper)
         self.snapshots.refresh_if_read(_SNAPSHOT_READERS_WITHIN, SNAPSHOT_REFRESH_EVERY)
         return result
