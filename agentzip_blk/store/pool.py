@@ -26,6 +26,7 @@ PAGE = 4096
 CLASS_STEP = 32
 _MIN_ARENA_PAGES = 4
 _MAX_ARENA_PAGES = 16
+_NO_CLASS = -1  # the class of an arena id not in use
 _NO_CELL = 0xFFFFFFFF
 LARGE_CLASS_GROWTH = 32  # classes above MAX_COMPRESSED grow by 1/32
 
@@ -91,7 +92,7 @@ class Pool:
         self._arenas: list[mmap.mmap | None] = []
         self._free_ids: list[int] = []  # arena ids to reuse (bounded by the peak arena count)
         cap = 64
-        self._a_class = np.zeros(cap, dtype=np.int16)
+        self._a_class = np.full(cap, _NO_CLASS, dtype=np.int16)  # _NO_CLASS: no arena
         self._a_used = np.zeros(cap, dtype=np.int32)
         self._a_free_head = np.zeros(cap, dtype=np.uint32)  # intrusive free list head
         self._a_bump = np.zeros(cap, dtype=np.uint32)  # cells never handed out start here
@@ -188,6 +189,7 @@ class Pool:
         self._arenas[arena_id] = None
         arena.close()
         self._a_used[arena_id] = 0
+        self._a_class[arena_id] = _NO_CLASS
         self._evacuating.discard(arena_id)
         self._free_ids.append(arena_id)
         self.allocated_bytes -= cls.arena_size
@@ -201,7 +203,7 @@ class Pool:
         cap = max(needed, 2 * len(self._a_class))
         for name in ("_a_class", "_a_used", "_a_free_head", "_a_bump"):
             old = getattr(self, name)
-            new = np.zeros(cap, dtype=old.dtype)
+            new = np.full(cap, _NO_CLASS if name == "_a_class" else 0, dtype=old.dtype)
             new[: len(old)] = old
             setattr(self, name, new)
 
@@ -209,9 +211,7 @@ class Pool:
 
     def arenas_of(self, class_index: int) -> tuple[np.ndarray, np.ndarray]:
         """Live arena ids of a class and their used cell counts."""
-        n = len(self._arenas)
-        live = np.array([a is not None for a in self._arenas], dtype=bool)
-        ids = np.flatnonzero(live & (self._a_class[:n] == class_index))
+        ids = np.flatnonzero(self._a_class[: len(self._arenas)] == class_index)
         return ids, self._a_used[ids].astype(np.int64)
 
     def evacuation_plan(self, class_index: int) -> list[int]:
@@ -229,6 +229,11 @@ class Pool:
         for arena_id in arena_ids:
             self._evacuating.add(arena_id)
             self._partial[int(self._a_class[arena_id])].pop(arena_id, None)
+
+    def still_evacuating(self, arena_ids: list[int]) -> list[int]:
+        """Those of `arena_ids` still being emptied: one released meanwhile may have been
+        made again, under the same id, for new cells."""
+        return [a for a in arena_ids if a in self._evacuating]
 
     def end_evacuation(self) -> None:
         """Arenas that still hold cells (an interrupted compaction) become allocatable again."""

@@ -33,6 +33,9 @@ HYSTERESIS_PERCENT = 5  # demotion stops this many points below reclaim_threshol
 FRAGMENTATION_TRIGGER = 0.20  # compact when this share of arena bytes holds no live cell
 MIN_COMPACT_BYTES = 1 << 20
 DEMOTE_CHUNK = 512  # blobs moved per lock hold, so requests wait at most one chunk
+# cells compaction moves per lock hold: a whole class at once held the lock for tens of ms
+# under churn, which every request in flight waited out (BENCHMARKS.md, "Compaction chunks")
+COMPACT_CHUNK = 256
 # Sparse frames rewritten per lock hold: each costs a scan share, a decompression and a
 # compression (measured: 64 frames of 16 pages in 36 ms), so requests wait ~10 ms at most.
 REWRITE_CHUNK = 16
@@ -82,6 +85,7 @@ class Tiers:
         self.defrag = tiering.defrag
         self.reclaim_bytes = tiering.max_size * tiering.reclaim_threshold // 100
         self._demoting = threading.Lock()
+        self._compacting = threading.Lock()  # the maintainer's and `defrag`'s, one at a time
         self.reclaim_target = max(
             0, tiering.max_size * (tiering.reclaim_threshold - HYSTERESIS_PERCENT) // 100
         )
@@ -258,35 +262,61 @@ class Tiers:
     def compact(self) -> int:
         """Move live cells out of the sparsest arenas of each class; returns cells moved."""
         moved = 0
-        lock = self.store.lock
-        for cls in self.pool.classes:
-            with lock:
+        with self._compacting:
+            for cls in self.pool.classes:
                 moved += self._compact_class(cls.index)
-        with lock:
-            self.counters.compactions += 1
+            with self.store.lock:
+                self.counters.compactions += 1
         return moved
 
     def _compact_class(self, class_index: int) -> int:
-        sources = self.pool.evacuation_plan(class_index)
-        if not sources:
-            return 0
+        """Empty the class's sparsest arenas, COMPACT_CHUNK cells per hold of the store lock.
+        Between holds requests run: they free cells (the next chunk looks again) and take
+        free cells, so a move may find no room left; the rest then stays where it is."""
+        lock = self.store.lock
         blobs, pool = self.objects.blobs, self.pool
-        n = blobs.capacity
-        movers = np.flatnonzero(
-            (blobs.ref[:n] > 0) & (blobs.tier[:n] == POOL) & np.isin(blobs.arena[:n], sources)
-        )
-        pool.evacuate(sources)
+        with lock:
+            sources = pool.evacuation_plan(class_index)
+            if not sources:
+                return 0
+            pool.evacuate(sources)
+        moved = 0
         try:
-            for blob in movers.tolist():
-                length = int(blobs.length[blob])
-                data = pool.get(int(blobs.arena[blob]), int(blobs.cell[blob]), length)
-                arena, cell = pool.alloc(length)
-                pool.put(arena, cell, data)
-                pool.free(int(blobs.arena[blob]), int(blobs.cell[blob]))
-                blobs.arena[blob], blobs.cell[blob] = arena, cell
+            while True:
+                with lock:
+                    sources = pool.still_evacuating(sources)
+                    if not sources:
+                        break
+                    n = blobs.capacity
+                    movers = np.flatnonzero(
+                        (blobs.ref[:n] > 0) & (blobs.tier[:n] == POOL)
+                        & np.isin(blobs.arena[:n], sources)
+                    )[:COMPACT_CHUNK]
+                    if not len(movers):
+                        break
+                    done = self._move_cells(movers.tolist())
+                    moved += done
+                    self.counters.pages_moved += done
+                    if done < len(movers):
+                        break  # no room: the pool filled meanwhile
         finally:
-            pool.end_evacuation()
-        self.counters.pages_moved += len(movers)
+            with lock:
+                pool.end_evacuation()
+        return moved
+
+    def _move_cells(self, movers: list[int]) -> int:
+        """Each blob's cell copied to a cell outside the evacuated arenas (under the lock)."""
+        blobs, pool = self.objects.blobs, self.pool
+        for done, blob in enumerate(movers):
+            length = int(blobs.length[blob])
+            data = pool.get(int(blobs.arena[blob]), int(blobs.cell[blob]), length)
+            try:
+                arena, cell = pool.alloc(length)
+            except PoolFull:
+                return done
+            pool.put(arena, cell, data)
+            pool.free(int(blobs.arena[blob]), int(blobs.cell[blob]))
+            blobs.arena[blob], blobs.cell[blob] = arena, cell
         return len(movers)
 
     def maintain(self) -> dict:

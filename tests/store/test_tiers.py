@@ -356,3 +356,72 @@ def test_promotion_stops_at_the_demotion_target(tmp_path):
     assert store.pool.allocated_bytes <= store.reclaim_target
     clock.advance(60)
     assert store.maintain()["demoted"] == 0
+
+
+class _HookedLock:
+    """The store lock, calling `after_release` each time the compaction thread lets it go:
+    the requests it runs come in exactly between two holds."""
+
+    def __init__(self, lock) -> None:
+        self._lock = lock
+        self.after_release = None
+        self._in_hook = False
+
+    def __enter__(self):
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+        if self.after_release is not None and not self._in_hook:
+            self._in_hook = True
+            try:
+                self.after_release()
+            finally:
+                self._in_hook = False
+
+
+def test_compaction_moves_in_chunks_and_lets_requests_in_between(tmp_path, monkeypatch):
+    """The store lock is released between chunks of COMPACT_CHUNK cells: requests that free
+    and write cells meanwhile (here, after every release) leave the books right and every
+    page exact."""
+    from agentzip_blk.store import tiering
+
+    monkeypatch.setattr(tiering, "COMPACT_CHUNK", 64)
+    store = make_store(tmp_path, Clock(), max_size=64 << 20, size=64 << 20, defrag=False)
+    rnd = random.Random(5)
+    model: dict[int, bytes] = {}
+    for slot in range(8192):
+        model[slot] = text_page(rnd.randrange(1 << 30))
+        store.write(model[slot], slot * PAGE)
+    for slot in rnd.sample(range(8192), 8192 * 3 // 4):  # every arena keeps a few cells
+        store.trim(slot * PAGE, PAGE)
+        model.pop(slot)
+    assert store.needs_compaction()
+    holds: list[int] = []
+    real = store.tiers._move_cells
+    monkeypatch.setattr(store.tiers, "_move_cells", lambda movers: holds.append(len(movers))
+                        or real(movers))
+    hooked = _HookedLock(store.lock)
+    store.lock = hooked
+    writes = 0
+
+    def meanwhile() -> None:  # one write and one trim between two holds of the lock
+        nonlocal writes
+        writes += 1
+        slot = 8192 + writes % 500
+        model[slot] = text_page(10**9 + writes)
+        store.write(model[slot], slot * PAGE)
+        victim = min(model)
+        store.trim(victim * PAGE, PAGE)
+        model.pop(victim)
+
+    hooked.after_release = meanwhile
+    moved = store.compact()
+    hooked.after_release = None
+    assert len(holds) > 3 and max(holds) <= 64
+    assert moved > 0 and writes >= len(holds)
+    for slot, page in model.items():
+        assert store.read(slot * PAGE, PAGE) == page, slot
+    store.check()
+    store.close()
