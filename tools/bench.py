@@ -78,6 +78,7 @@ class SwapConfig:
     level: int | None = None
     dictionary: str | None = None  # agentzip: compression.dictionary; None = the default
     frame_pages: int | None = None  # agentzip: compression.frame_pages; None = the default
+    rotational: bool | None = None  # agentzip: device.rotational; None = the default
 
     @property
     def is_zram(self) -> bool:
@@ -107,6 +108,8 @@ def swap_configs(with_dictionaries: bool) -> list[SwapConfig]:
     codecs side by side with zram's), and multi-page frames of 4-16 pages."""
     out = [SwapConfig("zram-lz4", "zram", "lz4"), SwapConfig("zram-lzo-rle", "zram", "lzo-rle"),
            SwapConfig("agentzip-default", "agentzip", "default"),
+           SwapConfig("agentzip-rotational", "agentzip", "default", rotational=True),
+           SwapConfig("agentzip-vma-readahead", "agentzip", "default", rotational=False),
            SwapConfig("agentzip-lz4", "agentzip", "lz4", 1, "none", 1),
            SwapConfig("agentzip-zstd3", "agentzip", "zstd", 3, "none", 1),
            SwapConfig("agentzip-zstd9", "agentzip", "zstd", 9, "none", 1),
@@ -353,9 +356,12 @@ class Bench:
                                                       "dictionary": cfg.dictionary}
         if cfg.frame_pages is not None:
             comp["frame_pages"] = cfg.frame_pages
+        device = {"size": self.opts.swap_size, "run_dir": run_dir}
+        if cfg.rotational is not None:
+            device["rotational"] = cfg.rotational
         config = parse_config({"compression": comp,
                                "pool": {"swap_out_path": os.path.join(run_dir, "swapfile")},
-                               "device": {"size": self.opts.swap_size, "run_dir": run_dir}})
+                               "device": device})
         b = backends.AgentzipSwap(config, run_dir)
         b.name = cfg.name
         return b

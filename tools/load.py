@@ -209,10 +209,12 @@ def run(args) -> dict:
         "pool": {"max_size": args.pool, "reclaim_threshold": 80,
                  "swap_out_path": os.path.join(tmp, "disk-tier")},
         "policy": {"cold_grace_period": "5s"},
+        "device": {"rotational": args.rotational},
     })
     result: dict = {"config": {"workers": args.workers, "duration_s": args.duration,
                                "heap_mb": args.mb, "limit_fraction": args.limit_fraction,
-                               "pool": args.pool, "device_size": args.size}}
+                               "pool": args.pool, "device_size": args.size,
+                               "rotational": args.rotational}}
     cgroups: list = []
     workloads: list[Workload] = []
     try:
@@ -442,6 +444,8 @@ def main(argv=None) -> int:
                     help="squeeze each cgroup to this share of its usage (default 0.5)")
     ap.add_argument("--pool", type=int, default=48 * MiB, help="pool.max_size bytes")
     ap.add_argument("--size", type=int, default=2 << 30, help="device size bytes")
+    ap.add_argument("--rotational", action="store_true",
+                    help="device.rotational: true (cluster readahead of 2^vm.page-cluster slots)")
     ap.add_argument("--interval", type=float, default=2.0, help="sampling interval s")
     ap.add_argument("--warmup", type=float, default=30.0, help="seconds left out of averages")
     ap.add_argument("--md", default=os.path.join(REPO, "BENCHMARKS.md"))

@@ -79,9 +79,10 @@ class DeviceConfig:
     run_dir: str = "/run/agentzip"
     # Flag the loop device rotational: the kernel then reads ahead neighbouring swap slots
     # (cluster readahead) instead of following the faulting process (VMA readahead). Fewer,
-    # larger reads: 2x swap-in on a sequential re-read; but the neighbours belong to anyone
-    # and are charged to their cgroups, and a load run with it ended in OOM kills
-    # (BENCHMARKS.md): opt-in until measured properly.
+    # larger reads: a whole re-touch of A-like heaps 1.7x faster, but the single-fault
+    # probe slower (8 slots per fault, often two frames to decompress) and B/D no faster.
+    # It does not cause the memory-cgroup OOM kills once blamed on it (0 in 3 load runs with
+    # it, 1 in 3 without: BENCHMARKS.md "Readahead"). Off by default; safe to turn on.
     rotational: bool = False
     # How the kernel reaches the server: kernel nbd (/dev/nbdN), or a loop device over a file
     # served by FUSE from the server process itself ("fuse"), or by nbdfuse over NBD

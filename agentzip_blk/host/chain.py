@@ -145,9 +145,9 @@ def _mark_rotational(dev: str) -> bool:
     flag once: swap-in then reads ahead 2^vm.page-cluster neighbouring slots per request
     instead of following one process's address space. Every request through the chain costs
     ~300 us whatever its size, so on a sequential re-read fewer larger reads win (demo: 12k
-    reads of ~19.5 KiB instead of 37k of ~6.4 KiB, swap-in ~2x). Off by default: the
-    neighbours belong to any sandbox and are charged to their cgroups, and a tools/load.py
-    run with it ended in memory-cgroup OOM kills (BENCHMARKS.md; not yet pinned on it).
+    reads of ~19.5 KiB instead of 37k of ~6.4 KiB, swap-in ~2x). Off by default: a single
+    fault then reads 8 slots, and on two of the four agent workloads a whole re-touch was
+    no faster (BENCHMARKS.md "Readahead"); the OOM kills once blamed on it are not its.
     Best effort: a read-only sysfs only costs speed."""
     try:
         with open(f"/sys/block/{loop_name(dev)}/queue/rotational", "w", encoding="ascii") as f:
