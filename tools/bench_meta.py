@@ -9,8 +9,10 @@ the workload's earlier run (seed 8) and then its held-out run (seed 7) at the ne
 in 1 MiB write requests as the kernel's swap-out sends them. It prints `stats()["meta"]` per
 part, meta bytes per stored page, and the device ratio (orig_mem / stored_mem).
 
-Speed: the writes of both runs (MiB/s of wall time) and then `--reads` random 4 KiB reads
-of stored pages (mean and p50 per read; the store's own caches stay as they are). With
+Speed: the writes of both runs (MiB/s of wall time, and process CPU seconds per GiB, which
+other load on the machine does not move), then `--reads` random 4 KiB reads of stored pages
+(p50 wall time per read and process CPU per read; the store's own caches stay as they are,
+the requests are built before the clock starts). With
 several --tree, each round runs every tree once, in a process of its own with that tree
 first on sys.path, alternating, so the trees' figures come from the same machine state;
 the speed figures are medians over --rounds rounds, the meta figures come from round 1.
@@ -66,12 +68,14 @@ def child(corpus: str, key: str, reads: int, seed: int) -> dict:
     trainer = store.dicts.trainer
     if trainer is not None:
         trainer.background = False  # the same work in every run: training inside the write
-    t0 = time.perf_counter()
-    for i in range(0, len(pages), REQUEST):
-        store.write(b"".join(pages[i:i + REQUEST]), i * PAGE)
-    write_s = time.perf_counter() - t0
+    requests = [b"".join(pages[i:i + REQUEST]) for i in range(0, len(pages), REQUEST)]
+    t0, c0 = time.perf_counter(), time.process_time()
+    for n, request in enumerate(requests):
+        store.write(request, n * REQUEST * PAGE)
+    write_s, write_cpu = time.perf_counter() - t0, time.process_time() - c0
     rnd = random.Random(seed)
     lat = []
+    c0 = time.process_time()
     for _ in range(reads):
         slot = rnd.randrange(len(pages))
         t0 = time.perf_counter_ns()
@@ -79,6 +83,7 @@ def child(corpus: str, key: str, reads: int, seed: int) -> dict:
         lat.append(time.perf_counter_ns() - t0)
         if got != pages[slot]:
             raise AssertionError(f"{key}: slot {slot} read back wrong")
+    read_cpu = time.process_time() - c0
     st = store.stats()
     store.check()
     blobs = store.blobs
@@ -96,6 +101,9 @@ def child(corpus: str, key: str, reads: int, seed: int) -> dict:
         "index_entries": int(store.index.count),
         "index_capacity": int(store.index.capacity),
         "write_mib_s": len(pages) * PAGE / MiB / write_s,
+        # process CPU: what the store's work costs, whatever else the machine runs
+        "write_cpu_s_per_gib": write_cpu / (len(pages) * PAGE / (1 << 30)),
+        "read_cpu_us": read_cpu / reads * 1e6,
         "read_mean_us": statistics.fmean(lat) / 1e3,
         "read_p50_us": float(np.percentile(lat, 50)) / 1e3,
     }
@@ -136,27 +144,31 @@ def main() -> int:
                 r = run_child(tree, args.corpus, key, args.reads, args.seed + rnd)
                 runs[tree][key].append(r)
                 print(f"round {rnd + 1} {key} {tree}: {r['meta_per_page']:.1f} B/page, ratio "
-                      f"{r['ratio']:.3f}, write {r['write_mib_s']:.1f} MiB/s, read "
-                      f"{r['read_mean_us']:.1f} us mean", flush=True)
+                      f"{r['ratio']:.3f}, write {r['write_mib_s']:.1f} MiB/s "
+                      f"({r['write_cpu_s_per_gib']:.2f} CPU s/GiB), read p50 "
+                      f"{r['read_p50_us']:.1f} us ({r['read_cpu_us']:.1f} CPU us)", flush=True)
     summary: dict[str, dict[str, dict]] = {}
     for tree in trees:
         summary[tree] = {}
         for key, rs in runs[tree].items():
             first = dict(rs[0])
-            for k in ("write_mib_s", "read_mean_us", "read_p50_us"):
+            for k in ("write_mib_s", "write_cpu_s_per_gib", "read_mean_us", "read_p50_us",
+                      "read_cpu_us"):
                 first[k] = statistics.median(r[k] for r in rs)
                 first[k + "_rounds"] = [round(r[k], 2) for r in rs]
             summary[tree][key] = first
     print()
     parts = list(next(iter(next(iter(summary.values())).values()))["meta"])
-    head = ["tree", "wl", "pages", *parts, "B/page", "ratio", "write MiB/s", "read us"]
+    head = ["tree", "wl", "pages", *parts, "B/page", "ratio", "write MiB/s", "write CPU s/GiB",
+            "read us p50", "read CPU us"]
     print(" | ".join(head))
     for tree, per in summary.items():
         for key, s in per.items():
             print(" | ".join([os.path.basename(os.path.abspath(tree)), key, str(s["pages"]),
                               *(str(s["meta"].get(p, 0)) for p in parts),
                               f"{s['meta_per_page']:.1f}", f"{s['ratio']:.3f}",
-                              f"{s['write_mib_s']:.1f}", f"{s['read_mean_us']:.1f}"]))
+                              f"{s['write_mib_s']:.1f}", f"{s['write_cpu_s_per_gib']:.2f}",
+                              f"{s['read_p50_us']:.1f}", f"{s['read_cpu_us']:.1f}"]))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -40,6 +40,7 @@ _COLUMNS = {
     "csum": np.uint32,
 }
 ROW_BYTES = sum(np.dtype(t).itemsize for t in _COLUMNS.values())
+GROW_AHEAD = 0.75  # the maintainer doubles the table once this share of its rows is used
 
 
 class BlobTable:
@@ -104,7 +105,47 @@ class BlobTable:
         self._free_head = blob
         self.count -= 1
 
+    # -- growth: ahead of need from the maintainer, inline only when it fell behind ------
+
+    def wanted(self) -> int | None:
+        """The capacity the maintainer should give the table now (rows handed out past
+        GROW_AHEAD of it), or None."""
+        if self._next_unused > GROW_AHEAD * self.capacity:
+            return 2 * self.capacity
+        return None
+
+    @property
+    def rows(self) -> int:
+        """Rows ever handed out (the others have never been written)."""
+        return self._next_unused
+
+    def prepare(self, capacity: int, rows: int) -> dict[str, np.ndarray]:
+        """New columns of `capacity` rows, the pages of the first `rows` (those in use)
+        written: the maintainer calls this without the store lock (issue 15: no allocation
+        that can wait for reclaim on the swap-out path), `adopt` copies the rows over under
+        it."""
+        arrays = {name: tables.zeros(capacity, dtype) for name, dtype in _COLUMNS.items()}
+        arrays["members"] = tables.zeros((capacity, self.members.shape[1]), np.uint32)
+        for array in arrays.values():
+            array[:rows] = 0
+        return arrays
+
+    def adopt(self, arrays: dict[str, np.ndarray]) -> bool:
+        """Switch to the `prepare`d columns (under the store lock); False if the table has
+        grown meanwhile."""
+        capacity = len(arrays["members"])
+        if capacity <= self.capacity:
+            return False
+        for name, new in arrays.items():
+            old = getattr(self, name)
+            new[: len(old)] = old
+            setattr(self, name, new)
+        self.capacity = capacity
+        return True
+
     def _grow(self, capacity: int) -> None:
+        """On the write path: only when the maintainer has not grown the table in time (or
+        there is none: a store used in-process)."""
         for name in _COLUMNS:
             old = getattr(self, name)
             new = tables.zeros(capacity, old.dtype)

@@ -118,6 +118,9 @@ class DedupIndex:
         self.wake: Callable[[], None] = lambda: None
         self.count = 0
         self._tombstones = 0
+        # the write path left entries out for want of room since the last resize: the
+        # maintainer did not keep up with a burst, so the next growth leaves twice the room
+        self._starved = False
         self._set(*self._arrays(max(16, capacity)))
 
     @staticmethod
@@ -174,6 +177,7 @@ class DedupIndex:
         if used > _MAX_LOAD * self._cap:
             if not (self.inline_growth and self.key_of is not None):
                 self.unindexed += 1
+                self._starved = True
                 return False
             self._resize(max(self._cap, _target(self.count + 1)))
         if not self._place(key, value):
@@ -238,7 +242,7 @@ class DedupIndex:
             return None
         cap, count = self._cap, self.count
         if count + 1 > _AHEAD_LOAD * cap:
-            return _target(count)
+            return _target(2 * count if self._starved else count)
         if count < _SHRINK_LOAD * cap and cap > _MIN_CAPACITY:
             return _target(count)
         if self._tombstones > _TOMBSTONE_SHARE * cap or count + self._tombstones > _AHEAD_LOAD * cap:
@@ -260,6 +264,7 @@ class DedupIndex:
         if self.count + 1 > _MAX_LOAD * len(fps):
             return False
         self._rebuild(fps, vals)
+        self._starved = False
         return True
 
     def _resize(self, capacity: int) -> None:

@@ -304,10 +304,23 @@ class Tiers:
         with store.lock:
             return store.index.adopt(*arrays)
 
+    def grow_blob_table(self) -> bool:
+        """Grow the blob table ahead of need, the same way (blobs.BlobTable.wanted), so that
+        a write request seldom has to."""
+        store, blobs = self.store, self.objects.blobs
+        with store.lock:
+            capacity, rows = blobs.wanted(), blobs.rows
+        if capacity is None:
+            return False
+        arrays = blobs.prepare(capacity, rows)
+        with store.lock:
+            return blobs.adopt(arrays)
+
     def maintain(self) -> dict:
         """One round of background work: size the dedup index ahead of need, drop the dead
         pages of sparse frames, demote while above the threshold, then compact."""
         self.resize_index()
+        self.grow_blob_table()
         rewritten = 0
         for _ in range(REWRITE_ROUNDS):
             done = self.rewrite_sparse_frames()
