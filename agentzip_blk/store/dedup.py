@@ -129,6 +129,9 @@ class DedupIndex:
 
     def _set(self, fps: np.ndarray, vals: np.ndarray) -> None:
         self._fps, self._vals = fps, vals
+        # Probes go through memoryviews: indexing one yields a Python int (~30 ns), indexing
+        # the numpy array a numpy scalar (~100 ns), and a probe is a Python loop.
+        self._fpv, self._valv = memoryview(fps), memoryview(vals)
         self._cap = len(fps)
 
     @property
@@ -151,15 +154,15 @@ class DedupIndex:
     def candidates(self, key: int) -> Iterator[int]:
         """Index values stored under `key`'s fingerprint in its probe run: at most
         MAX_CANDIDATES get compared (placement), usually zero or one is there."""
-        fps, cap = self._fps, self._cap
+        fps, cap = self._fpv, self._cap
         fp = fingerprint(key)
         pos = (key * cap) >> 32
         for _ in range(MAX_PROBE):
-            k = int(fps[pos])
+            k = fps[pos]
             if k == _EMPTY:
                 return
             if k == fp:
-                yield int(self._vals[pos])
+                yield self._valv[pos]
             pos += 1
             if pos == cap:
                 pos = 0
@@ -186,13 +189,13 @@ class DedupIndex:
         return True
 
     def _place(self, key: int, value: int) -> bool:
-        fps, cap = self._fps, self._cap
+        fps, cap = self._fpv, self._cap
         fp = fingerprint(key)
         pos = (key * cap) >> 32
         free = -1
         same = 0
         for _ in range(MAX_PROBE):
-            k = int(fps[pos])
+            k = fps[pos]
             if k == fp:
                 same += 1
                 if same >= MAX_CANDIDATES:
@@ -206,23 +209,23 @@ class DedupIndex:
                 pos = 0
         if free < 0:
             return False
-        if int(fps[free]) == _TOMBSTONE:
+        if fps[free] == _TOMBSTONE:
             self._tombstones -= 1
         fps[free] = fp
-        self._vals[free] = value
+        self._valv[free] = value
         self.count += 1
         return True
 
     def remove(self, key: int, value: int) -> bool:
         """Drop the entry; False if it was never indexed (then it leaves `unindexed`)."""
-        fps, cap = self._fps, self._cap
+        fps, cap = self._fpv, self._cap
         fp = fingerprint(key)
         pos = (key * cap) >> 32
         for _ in range(MAX_PROBE):
-            k = int(fps[pos])
+            k = fps[pos]
             if k == _EMPTY:
                 break
-            if k == fp and int(self._vals[pos]) == value:
+            if k == fp and self._valv[pos] == value:
                 fps[pos] = _TOMBSTONE
                 self.count -= 1
                 self._tombstones += 1
