@@ -185,3 +185,14 @@ def test_the_maintainer_grows_the_blob_table_ahead_of_the_writes():
     # a table grown meanwhile (inline, by a write) is not replaced by an older plan
     arrays = blobs.prepare(2 * capacity, blobs.rows)
     assert not blobs.adopt(arrays)
+
+
+def test_cli_refuses_a_size_beyond_the_ids_before_starting_anything(tmp_path):
+    run_dir = tmp_path / "run"
+    config = tmp_path / "config.yaml"
+    config.write_text("device:\n  size: 8G\n")
+    res = run("serve", "--size", "1T", "--run-dir", run_dir, "--config", config)
+    assert res.returncode == 2, res.stderr
+    assert one_error_line(res.stderr) == (
+        "--size: '1T' is too large (at most 512G: the store names pages with 32-bit ids)")
+    assert not run_dir.exists()  # nothing was set up
