@@ -53,7 +53,9 @@ _AHEAD_LOAD = 0.6  # the maintainer grows the table from this load...
 _TARGET_LOAD = 0.5  # ...to this one; a resize always lands here
 _SHRINK_LOAD = 0.2  # the maintainer shrinks a table this empty (pages freed)
 _TOMBSTONE_SHARE = 0.2  # or sweeps one with this many deleted positions
-_MIN_CAPACITY = 1024
+# 24 KiB: room for ~10 write requests of 1 MiB before the first resize, so that the first
+# swap-out burst does not outrun a maintainer that cannot resize in the middle of a request
+_MIN_CAPACITY = 4096
 _MASK64 = (1 << 64) - 1
 
 HashFn = Callable[[memoryview], tuple[int, int]]

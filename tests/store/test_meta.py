@@ -124,7 +124,7 @@ def test_the_maintainer_sizes_the_index_and_writes_never_grow_it():
     woken = []
     store.index.hand_growth_to(lambda: woken.append(1))
     capacity = store.index.capacity
-    pages = [text_page(n) for n in range(2048)]
+    pages = [text_page(n) for n in range(int(capacity * 0.75))]
     store.write(b"".join(pages), 0)
     index = store.index
     assert index.capacity == capacity  # the write path did not allocate
@@ -134,18 +134,18 @@ def test_the_maintainer_sizes_the_index_and_writes_never_grow_it():
     assert tiers.resize_index()
     assert index.capacity > capacity and index.count / index.capacity <= 0.5
     # pages written after the resize are indexed, and found again
-    store.write(b"".join(pages[:16]), 3000 * PAGE)
+    store.write(b"".join(pages[:16]), 8000 * PAGE)
     before = store.stats()["dedup_hits"]
-    store.write(pages[3], 4000 * PAGE)
+    store.write(pages[3], 9000 * PAGE)
     assert store.stats()["dedup_hits"] == before + 1
-    assert store.read(4000 * PAGE, PAGE) == pages[3]
+    assert store.read(9000 * PAGE, PAGE) == pages[3]
     store.check()
     # most pages gone: the maintainer shrinks the table to what is left
     big = index.capacity
-    store.trim(0, 2048 * PAGE)
+    store.trim(0, len(pages) * PAGE)
     assert tiers.resize_index()
     assert index.capacity < big
-    assert store.read(3000 * PAGE, 16 * PAGE) == b"".join(pages[:16])
+    assert store.read(8000 * PAGE, 16 * PAGE) == b"".join(pages[:16])
     store.check()
     store.index.hand_growth_to(None)
 
