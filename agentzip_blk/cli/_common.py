@@ -7,7 +7,7 @@ import os
 import sys
 
 from ..codec.dictionaries import known_names
-from ..config import load_config
+from ..config import ConfigError, check_device_size, load_config
 from ..config.quantities import format_bytes, parse_size
 from ..host.runstate import RunState, resolve_run_dir
 
@@ -47,6 +47,17 @@ def size_arg(text: str | None) -> int | None:
         return parse_size(text)
     except ValueError as e:
         raise CliError(f"--size: {e}") from None
+
+
+def device_size_arg(text: str | None) -> int | None:
+    """A device --size: `size_arg`, and no larger than the store can name (32-bit ids)."""
+    size = size_arg(text)
+    if size is not None:
+        try:
+            check_device_size(size, "--size", text)
+        except ConfigError as e:
+            raise CliError(str(e)) from None
+    return size
 
 
 def config_of(args):

@@ -12,7 +12,7 @@ import sys
 from ..errors import SetupError
 from ..host import facts
 from ..host.servercmd import default_plugin_path, is_python_plugin, plugin_env, server_command
-from ._common import EXIT_RUNTIME, PROG, CliError, config_of, fmt, run_dir_of, size_arg
+from ._common import EXIT_RUNTIME, PROG, CliError, config_of, device_size_arg, fmt, run_dir_of
 
 
 def register(sub) -> None:
@@ -41,7 +41,7 @@ def _socket_in_use(path: str) -> bool:
 def cmd_serve(args) -> int:
     config = config_of(args)
     run_dir = run_dir_of(args, config)
-    size = size_arg(args.size) or config.device.size
+    size = device_size_arg(args.size) or config.device.size
     plugin = args.plugin or default_plugin_path()
     nbdkit = facts.which("nbdkit")
     if nbdkit is None:

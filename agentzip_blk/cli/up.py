@@ -11,7 +11,7 @@ from ..cgroups.tuner.daemon import running_pid, start_daemon
 from ..config import ConfigError, load_config
 from ..host import attach, facts, health
 from ..host.runstate import RunState
-from ._common import EXIT_RUNTIME, PROG, CliError, config_of, fmt, run_dir_of, size_arg
+from ._common import EXIT_RUNTIME, PROG, CliError, config_of, device_size_arg, fmt, run_dir_of
 
 
 def register(sub) -> None:
@@ -72,7 +72,7 @@ def cmd_up(args) -> int:
     facts.require_root(f"{PROG} up")
     config = config_of(args)
     run_dir = run_dir_of(args, config)
-    size = size_arg(args.size)
+    size = device_size_arg(args.size)
     same = _already_up(args, config, run_dir, size)
     if same is not None:
         print(same)

@@ -4,13 +4,13 @@ size and duration quantities config values are written in (`quantities`)."""
 
 from ..errors import ConfigError
 from .dropins import DROPIN_DIR, dropin_dir
-from .load import LoadedConfig, glob_problem, load_config, load_layers, old_key_names, parse_config
-from .schema import (DEFAULT_CONFIG_PATH, MAX_FRAME_PAGES, CompressionConfig, Config, DeviceConfig,
+from .load import LoadedConfig, check_device_size, glob_problem, load_config, load_layers, old_key_names, parse_config
+from .schema import (DEFAULT_CONFIG_PATH, MAX_DEVICE_SIZE, MAX_FRAME_PAGES, CompressionConfig, Config, DeviceConfig,
                      PolicyConfig, PoolConfig, Scope, default_scopes)
 
 __all__ = [
     "ConfigError", "Config", "CompressionConfig", "PoolConfig", "PolicyConfig", "Scope",
-    "DeviceConfig", "DEFAULT_CONFIG_PATH", "MAX_FRAME_PAGES", "default_scopes", "glob_problem",
+    "DeviceConfig", "DEFAULT_CONFIG_PATH", "MAX_DEVICE_SIZE", "MAX_FRAME_PAGES", "default_scopes", "glob_problem",
     "load_config", "old_key_names", "parse_config", "load_layers", "LoadedConfig", "DROPIN_DIR",
-    "dropin_dir",
+    "dropin_dir", "check_device_size",
 ]

@@ -23,11 +23,11 @@ import yaml
 
 from ..errors import ConfigError
 from .dropins import Sources, dropin_dir, dropin_files, merge, normalized_key
-from .quantities import decimal_hint, parse_duration, parse_size
+from .quantities import decimal_hint, format_bytes, parse_duration, parse_size
 from .schema import (ALGORITHMS, DEDUP_MODES, DEFAULT_CONFIG_PATH, DICTIONARY_MODES, FRONTENDS,
                      KEY_ALIASES,
                      LEVEL_RANGES,
-                     MAX_FRAME_PAGES, MIN_SIZE, SUPPORTED_PAGE_SIZE, SWAP_PRIORITY_RANGE,
+                     MAX_DEVICE_SIZE, MAX_FRAME_PAGES, MIN_SIZE, SUPPORTED_PAGE_SIZE, SWAP_PRIORITY_RANGE,
                      CompressionConfig, Config, DeviceConfig, PolicyConfig, PoolConfig, Scope,
                      default_scopes)
 
@@ -243,6 +243,13 @@ def _parse_scopes(value: Any) -> list[Scope]:
     return scopes
 
 
+def check_device_size(size: int, key: str, raw: Any = None) -> None:
+    """A device the store can hold: its 32-bit blob ids bound it (schema.MAX_DEVICE_SIZE)."""
+    if size > MAX_DEVICE_SIZE:
+        raise ConfigError(f"{key}: {raw if raw is not None else size!r} is too large (at most "
+                          f"{format_bytes(MAX_DEVICE_SIZE)}: the store names pages with 32-bit ids)")
+
+
 def _parse_device(value: Any) -> DeviceConfig:
     data = _mapping(value, "device", DeviceConfig)
     d = DeviceConfig()
@@ -251,6 +258,7 @@ def _parse_device(value: Any) -> DeviceConfig:
     if size % SUPPORTED_PAGE_SIZE:  # the kernel swaps whole pages; a partial last page is useless
         raise ConfigError(f"device.size: {raw_size!r} must be a multiple of {SUPPORTED_PAGE_SIZE} "
                           f"bytes{decimal_hint(raw_size)}")
+    check_device_size(size, "device.size", raw_size)
     lo, hi = SWAP_PRIORITY_RANGE
     return DeviceConfig(
         size=size,

@@ -25,6 +25,10 @@ DEDUP_MODES = ("on", "off")
 SUPPORTED_PAGE_SIZE = 4096
 MAX_FRAME_PAGES = 16  # pages one compressed frame may hold (the blob table's `sub` column)
 MIN_SIZE = 1 << 20  # 1 MiB: anything smaller cannot hold a useful amount of swap
+# 512 GiB (2^27 pages): the store names blobs with 32-bit ids, a page of a blob in 32 bits
+# (store/dedup.py: 2^28 blobs of up to 16 pages); half of that for the slots leaves the other
+# half for the blobs requests in flight stage before they release the old ones.
+MAX_DEVICE_SIZE = 1 << 39
 SWAP_PRIORITY_RANGE = (-1, 32767)  # swapon(8): -1 = kernel default, 0..32767 explicit
 
 # Old spellings of keys, still accepted: (section, old key) -> new key. `doctor` flags them.

@@ -2,16 +2,20 @@
 together), shared by every slot that holds one of its pages.
 
 Columns are numpy arrays indexed by blob id (no Python object per blob). Free rows form an
-intrusive list through the `arena` column, so freed ids cost nothing to remember. With
-multi-page frames, `members` holds the dedup index key of each page of a frame (a row of
-`frame_pages` keys per blob), so the index entries of its pages can be removed with it.
+intrusive list through the `arena` column, so freed ids cost nothing to remember.
+`members` holds the dedup index key of each page of a blob (a row of `frame_pages` keys per
+blob; a one-page blob uses the first), so the index entries of its pages can be removed with
+it, and the index can be resized (dedup.DedupIndex.key_of). No full page hash is kept: the
+index key finds candidates, the bytes decide (placement.Placer.lookup).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ..errors import StoreFull
 from . import tables
+from .dedup import MAX_BLOBS
 
 POOL = 0
 DISK = 1
@@ -26,8 +30,6 @@ _COLUMNS = {
     "codec": np.uint8,  # codec id (agentzip_blk.codec.codecs)
     "dict_id": np.uint8,  # zstd dictionary id (agentzip_blk.codec.dictionaries), 0 = none
     "ref": np.uint32,  # slots pointing at this blob; 0 = free row
-    "hash_lo": np.uint64,  # 128-bit content hash of a one-page blob, low and high halves
-    "hash_hi": np.uint64,
     "atime": np.uint32,  # last access (read or write), in store ticks; 0 = never
     "rtime": np.uint32,  # last read, for the hot test (two reads within hot_threshold_ms)
     # bumped when the row is freed: a read that decompressed a blob outside the store lock
@@ -38,6 +40,7 @@ _COLUMNS = {
     "csum": np.uint32,
 }
 ROW_BYTES = sum(np.dtype(t).itemsize for t in _COLUMNS.values())
+GROW_AHEAD = 0.75  # the maintainer doubles the table once this share of its rows is used
 
 
 class BlobTable:
@@ -46,7 +49,7 @@ class BlobTable:
         self.frame_pages = frame_pages
         for name, dtype in _COLUMNS.items():
             setattr(self, name, np.zeros(0, dtype=dtype))
-        self.members = np.zeros((0, frame_pages if frame_pages > 1 else 0), dtype=np.uint32)
+        self.members = np.zeros((0, frame_pages), dtype=np.uint32)
         self._grow(capacity)
         self._free_head = -1
         self._next_unused = 0
@@ -66,7 +69,7 @@ class BlobTable:
         return self.ref > 0
 
     def new(
-        self, arena: int, cell: int, length: int, codec: int, lo: int, hi: int, dict_id: int = 0,
+        self, arena: int, cell: int, length: int, codec: int, dict_id: int = 0,
         pages: int = 1, csum: int = 0,
     ) -> int:
         """A row with refcount 1, in the pool tier."""
@@ -75,6 +78,8 @@ class BlobTable:
             self._free_head = int(self.arena[blob])
         else:
             blob = self._next_unused
+            if blob >= MAX_BLOBS:  # config.MAX_DEVICE_SIZE keeps a device well below this
+                raise StoreFull(f"blob table full ({MAX_BLOBS} rows: the dedup index's ids)")
             if blob >= self.capacity:
                 self._grow(2 * self.capacity)
             self._next_unused += 1
@@ -85,8 +90,6 @@ class BlobTable:
         self.codec[blob] = codec
         self.dict_id[blob] = dict_id
         self.ref[blob] = 1
-        self.hash_lo[blob] = lo
-        self.hash_hi[blob] = hi
         self.tier[blob] = POOL
         self.disk_off[blob] = 0
         self.atime[blob] = 0
@@ -102,7 +105,47 @@ class BlobTable:
         self._free_head = blob
         self.count -= 1
 
+    # -- growth: ahead of need from the maintainer, inline only when it fell behind ------
+
+    def wanted(self) -> int | None:
+        """The capacity the maintainer should give the table now (rows handed out past
+        GROW_AHEAD of it), or None."""
+        if self._next_unused > GROW_AHEAD * self.capacity:
+            return 2 * self.capacity
+        return None
+
+    @property
+    def rows(self) -> int:
+        """Rows ever handed out (the others have never been written)."""
+        return self._next_unused
+
+    def prepare(self, capacity: int, rows: int) -> dict[str, np.ndarray]:
+        """New columns of `capacity` rows, the pages of the first `rows` (those in use)
+        written: the maintainer calls this without the store lock (issue 15: no allocation
+        that can wait for reclaim on the swap-out path), `adopt` copies the rows over under
+        it."""
+        arrays = {name: tables.zeros(capacity, dtype) for name, dtype in _COLUMNS.items()}
+        arrays["members"] = tables.zeros((capacity, self.members.shape[1]), np.uint32)
+        for array in arrays.values():
+            array[:rows] = 0
+        return arrays
+
+    def adopt(self, arrays: dict[str, np.ndarray]) -> bool:
+        """Switch to the `prepare`d columns (under the store lock); False if the table has
+        grown meanwhile."""
+        capacity = len(arrays["members"])
+        if capacity <= self.capacity:
+            return False
+        for name, new in arrays.items():
+            old = getattr(self, name)
+            new[: len(old)] = old
+            setattr(self, name, new)
+        self.capacity = capacity
+        return True
+
     def _grow(self, capacity: int) -> None:
+        """On the write path: only when the maintainer has not grown the table in time (or
+        there is none: a store used in-process)."""
         for name in _COLUMNS:
             old = getattr(self, name)
             new = tables.zeros(capacity, old.dtype)

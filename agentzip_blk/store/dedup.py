@@ -1,20 +1,30 @@
 """Content index for deduplication: keyed page hash -> stored page, open addressing in numpy.
 
 A Python dict would cost ~100 bytes per stored page (an entry plus two int objects); this
-table costs 8 bytes per slot at a load of 35-70% (~16 bytes per page). The key is 32 bits of
-the page's 128-bit hash, which is keyed with a random seed per store (`PageHasher`), so a
-tenant cannot pick pages that land on one key or one run of the table.
+table costs 6 bytes per position (a 16-bit fingerprint and a 32-bit value) at a load of
+50-70%: ~10 bytes per stored page. The key is 32 bits of the page's 128-bit hash, which is
+keyed with a random seed per store (`PageHasher`), so a tenant cannot pick pages that land on
+one key or one run of the table. The key's high bits pick its home position (any capacity,
+not only powers of two: the table is sized to the pages stored, within a load band), its
+low 16 bits are the fingerprint kept in the table; the full key of an entry is the blob
+table's (`members`), which is what a resize re-places entries by.
 
 Nothing here decides equality: the store compares page bytes before every share, so a key
 that matches by chance (or by a crafted collision) costs one comparison and can never alias
 data. What the index bounds is the cost of a flood of collisions, whatever the hash:
 
-- at most `MAX_CANDIDATES` entries per key: a further page with that key is simply not
-  indexed (it is stored, and not deduplicated against);
+- at most `MAX_CANDIDATES` entries per fingerprint in a probe run: a further page with that
+  key is simply not indexed (it is stored, and not deduplicated against);
 - every entry sits within `MAX_PROBE` positions of its home, so a lookup, insert or remove
   looks at `MAX_PROBE` positions at most; an entry that does not fit is not indexed either.
 
 Entries not indexed are counted (`unindexed`), so the books still add up (accounting.check).
+
+Resizing allocates a new table. With a maintainer running (`hand_growth_to`), the write path
+never does (issue 15: no allocation that can wait for reclaim on the swap-out path): the
+maintainer grows the table ahead of need (`wanted`, `prepare` without the store lock,
+`adopt`), and a write that finds the table at its maximum load leaves its entry out of the
+index instead. Without one (a store used in-process), an insert grows the table itself.
 """
 
 from __future__ import annotations
@@ -27,7 +37,10 @@ import xxhash
 
 from . import tables
 
-SUB_BITS = 5  # index value: blob id << SUB_BITS | page in the blob (frames up to 32 pages)
+SUB_BITS = 4  # index value: blob id << SUB_BITS | page in the blob (frames up to 16 pages)
+# Blob ids an index value can name (32-bit values): config.MAX_DEVICE_SIZE keeps a device's
+# slots to half of this, so the rows staged by requests in flight always fit too.
+MAX_BLOBS = 1 << (32 - SUB_BITS)
 MAX_CANDIDATES = 4  # entries (and so byte comparisons) per key
 # Positions a probe looks at. At the maximum load of 70%, 1 random key in ~15000 needs more
 # than 64 (simulated); such an entry is left out of the index (one missed dedup chance).
@@ -35,8 +48,14 @@ MAX_PROBE = 64
 
 _EMPTY = 0
 _TOMBSTONE = 1
-_MAX_LOAD = 0.7
-_GROW_LOAD = 0.5
+_MAX_LOAD = 0.7  # an insert above this grows the table (inline) or is left out (maintainer)
+_AHEAD_LOAD = 0.6  # the maintainer grows the table from this load...
+_TARGET_LOAD = 0.5  # ...to this one; a resize always lands here
+_SHRINK_LOAD = 0.2  # the maintainer shrinks a table this empty (pages freed)
+_TOMBSTONE_SHARE = 0.2  # or sweeps one with this many deleted positions
+# 24 KiB: room for ~10 write requests of 1 MiB before the first resize, so that the first
+# swap-out burst does not outrun a maintainer that cannot resize in the middle of a request
+_MIN_CAPACITY = 4096
 _MASK64 = (1 << 64) - 1
 
 HashFn = Callable[[memoryview], tuple[int, int]]
@@ -75,60 +94,111 @@ def unpack(value: int) -> tuple[int, int]:
     return value >> SUB_BITS, value & ((1 << SUB_BITS) - 1)
 
 
+
+
+def fingerprint(key: int) -> int:
+    """What the table keeps of a key: its low 16 bits, 0 and 1 folded (empty, deleted)."""
+    fp = key & 0xFFFF
+    return fp if fp > _TOMBSTONE else fp + 2
+
+
+def _target(count: int) -> int:
+    """The capacity that holds `count` entries at the target load."""
+    return max(_MIN_CAPACITY, int(count / _TARGET_LOAD) + 1)
+
+
 class DedupIndex:
-    def __init__(self, capacity: int = 1024, enabled: bool = True) -> None:
+    def __init__(self, capacity: int = _MIN_CAPACITY, enabled: bool = True,
+                 key_of: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
         # disabled (compression.dedup: off): nothing is indexed, every entry is `unindexed`
         self.enabled = enabled
-        self.unindexed = 0  # entries refused (cap, probe limit, disabled) and still live
-        self._alloc(max(16, 1 << (capacity - 1).bit_length()))
-
-    def _alloc(self, capacity: int) -> None:
-        self._keys = tables.zeros(capacity, np.uint32)
-        self._vals = tables.zeros(capacity, np.int32)
-        self._mask = capacity - 1
+        self.unindexed = 0  # entries refused (cap, probe limit, disabled, full) and still live
+        # the full 32-bit keys of index values (the blob table's `members`): what a resize
+        # re-places entries by; None: the table never resizes
+        self.key_of = key_of
+        self.inline_growth = True
+        self.wake: Callable[[], None] = lambda: None
         self.count = 0
         self._tombstones = 0
+        # the write path left entries out for want of room since the last resize: the
+        # maintainer did not keep up with a burst, so the next growth leaves twice the room
+        self._starved = False
+        self._set(*self._arrays(max(16, capacity)))
+
+    @staticmethod
+    def _arrays(capacity: int) -> tuple[np.ndarray, np.ndarray]:
+        return tables.zeros(capacity, np.uint16), tables.zeros(capacity, np.uint32)
+
+    def _set(self, fps: np.ndarray, vals: np.ndarray) -> None:
+        self._fps, self._vals = fps, vals
+        # Probes go through memoryviews: indexing one yields a Python int (~30 ns), indexing
+        # the numpy array a numpy scalar (~100 ns), and a probe is a Python loop.
+        self._fpv, self._valv = memoryview(fps), memoryview(vals)
+        self._cap = len(fps)
 
     @property
     def capacity(self) -> int:
-        return len(self._keys)
+        return self._cap
 
     def arrays(self) -> list[np.ndarray]:
-        return [self._keys, self._vals]
+        return [self._fps, self._vals]
+
+    def home(self, key: int) -> int:
+        """The key's home position: its high bits scaled to the capacity."""
+        return (key * self._cap) >> 32
+
+    def hand_growth_to(self, wake: Callable[[], None] | None) -> None:
+        """A maintainer resizes the table from now on (`wake` asks it to); None: inserts
+        grow it again themselves."""
+        self.inline_growth = wake is None
+        self.wake = wake or (lambda: None)
 
     def candidates(self, key: int) -> Iterator[int]:
-        """Index values stored under `key`: at most MAX_CANDIDATES, usually zero or one."""
-        keys, mask = self._keys, self._mask
-        pos = key & mask
+        """Index values stored under `key`'s fingerprint in its probe run: at most
+        MAX_CANDIDATES get compared (placement), usually zero or one is there."""
+        fps, cap = self._fpv, self._cap
+        fp = fingerprint(key)
+        pos = (key * cap) >> 32
         for _ in range(MAX_PROBE):
-            k = int(keys[pos])
+            k = fps[pos]
             if k == _EMPTY:
                 return
-            if k == key:
-                yield int(self._vals[pos])
-            pos = (pos + 1) & mask
+            if k == fp:
+                yield self._valv[pos]
+            pos += 1
+            if pos == cap:
+                pos = 0
 
     def insert(self, key: int, value: int) -> bool:
         """Index `value` under `key`; False (and counted in `unindexed`) when dedup is off,
-        the key has MAX_CANDIDATES entries already, or no free position is near enough."""
+        the key has MAX_CANDIDATES entries already, no free position is near enough, or the
+        table is full and its maintainer has not grown it yet."""
         if not self.enabled:
             self.unindexed += 1
             return False
-        if (self.count + self._tombstones + 1) > _MAX_LOAD * self.capacity:
-            self._rehash()
+        used = self.count + self._tombstones + 1
+        if used > _AHEAD_LOAD * self._cap and not self.inline_growth:
+            self.wake()
+        if used > _MAX_LOAD * self._cap:
+            if not (self.inline_growth and self.key_of is not None):
+                self.unindexed += 1
+                self._starved = True
+                return False
+            self._resize(max(self._cap, _target(self.count + 1)))
         if not self._place(key, value):
             self.unindexed += 1
             return False
         return True
 
     def _place(self, key: int, value: int) -> bool:
-        keys, mask = self._keys, self._mask
-        pos = key & mask
+        fps, cap = self._fpv, self._cap
+        fp = fingerprint(key)
+        pos = (key * cap) >> 32
         free = -1
         same = 0
         for _ in range(MAX_PROBE):
-            k = int(keys[pos])
-            if k == key:
+            k = fps[pos]
+            if k == fp:
                 same += 1
                 if same >= MAX_CANDIDATES:
                     return False
@@ -136,43 +206,102 @@ class DedupIndex:
                 free = pos
             if k == _EMPTY:
                 break
-            pos = (pos + 1) & mask
+            pos += 1
+            if pos == cap:
+                pos = 0
         if free < 0:
             return False
-        if int(keys[free]) == _TOMBSTONE:
+        if fps[free] == _TOMBSTONE:
             self._tombstones -= 1
-        keys[free] = key
-        self._vals[free] = value
+        fps[free] = fp
+        self._valv[free] = value
         self.count += 1
         return True
 
     def remove(self, key: int, value: int) -> bool:
         """Drop the entry; False if it was never indexed (then it leaves `unindexed`)."""
-        keys, mask = self._keys, self._mask
-        pos = key & mask
+        fps, cap = self._fpv, self._cap
+        fp = fingerprint(key)
+        pos = (key * cap) >> 32
         for _ in range(MAX_PROBE):
-            k = int(keys[pos])
+            k = fps[pos]
             if k == _EMPTY:
                 break
-            if k == key and int(self._vals[pos]) == value:
-                keys[pos] = _TOMBSTONE
+            if k == fp and self._valv[pos] == value:
+                fps[pos] = _TOMBSTONE
                 self.count -= 1
                 self._tombstones += 1
                 return True
-            pos = (pos + 1) & mask
+            pos += 1
+            if pos == cap:
+                pos = 0
         self.unindexed -= 1
         return False
 
-    def _rehash(self) -> None:
-        live = self._keys > _TOMBSTONE
-        old_keys = self._keys[live]
-        old_vals = self._vals[live]
-        capacity = self.capacity
-        # Grow (to a load of at most 35%) when live entries fill over half the table;
-        # otherwise only sweep out tombstones.
-        while len(old_keys) + 1 > _GROW_LOAD * capacity:
-            capacity *= 2
-        self._alloc(capacity)
-        for key, value in zip(old_keys.tolist(), old_vals.tolist()):
-            if not self._place(key, value):  # a new layout may leave one too far from home
-                self.unindexed += 1
+    # -- resizing --------------------------------------------------------------------
+
+    def wanted(self) -> int | None:
+        """The capacity the maintainer should give the table now, or None: grown ahead of
+        need, shrunk once most of its pages are gone, swept when tombstones pile up."""
+        if self.key_of is None or not self.enabled:
+            return None
+        cap, count = self._cap, self.count
+        if count + 1 > _AHEAD_LOAD * cap:
+            return _target(2 * count if self._starved else count)
+        if count < _SHRINK_LOAD * cap and cap > _MIN_CAPACITY:
+            return _target(count)
+        if self._tombstones > _TOMBSTONE_SHARE * cap or count + self._tombstones > _AHEAD_LOAD * cap:
+            return cap  # a sweep
+        return None
+
+    @classmethod
+    def prepare(cls, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+        """New, empty arrays, their pages written now: the maintainer calls this without the
+        store lock, so the memory is there before `adopt` holds it."""
+        fps, vals = cls._arrays(capacity)
+        fps.fill(0)
+        vals.fill(0)
+        return fps, vals
+
+    def adopt(self, fps: np.ndarray, vals: np.ndarray) -> bool:
+        """Move every entry into the `prepare`d arrays (under the store lock); False, and
+        nothing changed, if they could not hold the entries there are by now."""
+        if self.count + 1 > _MAX_LOAD * len(fps):
+            return False
+        self._rebuild(fps, vals)
+        self._starved = False
+        return True
+
+    def _resize(self, capacity: int) -> None:
+        self._rebuild(*self._arrays(capacity))
+
+    def _rebuild(self, new_fps: np.ndarray, new_vals: np.ndarray) -> None:
+        """Re-place the live entries into new arrays, all at once with numpy: sorted by
+        home, each takes the first position at or after both its home and the previous
+        entry's (linear probing's layout); those run past the end wrap to the first free
+        positions from 0. An entry left more than MAX_PROBE from its home is not indexed."""
+        live = self._fps > _TOMBSTONE
+        values = self._vals[live]
+        cap = len(new_fps)
+        keys = self.key_of(values).astype(np.uint64)
+        homes = ((keys * np.uint64(cap)) >> np.uint64(32)).astype(np.int64)
+        order = np.argsort(homes, kind="stable")
+        homes, values, keys = homes[order], values[order], keys[order]
+        n = len(homes)
+        ranks = np.arange(n, dtype=np.int64)
+        pos = np.maximum.accumulate(homes - ranks) + ranks if n else homes
+        over = pos >= cap
+        if over.any():  # wrapped: the first free positions from 0, in order
+            taken = np.zeros(cap, dtype=bool)
+            taken[pos[~over]] = True
+            free = np.flatnonzero(~taken)[: int(over.sum())]
+            pos[over] = free
+        near = ((pos - homes) % cap) < MAX_PROBE
+        fps = (keys & np.uint64(0xFFFF)).astype(np.int64)
+        fps = np.where(fps > _TOMBSTONE, fps, fps + 2)
+        new_fps[pos[near]] = fps[near]
+        new_vals[pos[near]] = values[near]
+        self.unindexed += int(n - near.sum())
+        self.count = int(near.sum())
+        self._tombstones = 0
+        self._set(new_fps, new_vals)

@@ -119,8 +119,10 @@ class Objects:
 
     def new_page(self, stored, codec_id: int, dict_id: int, lo: int, hi: int, now: int) -> int:
         """A one-page blob with one reference, under its hash in the dedup index."""
-        blob = self._new(stored, codec_id, dict_id, lo, hi, now, 1)
-        self.index.insert(index_key(lo), pack(blob))
+        blob = self._new(stored, codec_id, dict_id, now, 1)
+        key = index_key(lo)  # `hi` is not kept: the bytes decide equality (placement.lookup)
+        self.blobs.members[blob, 0] = key
+        self.index.insert(key, pack(blob))
         self.codec_pages[codec_id] += 1
         return blob
 
@@ -129,7 +131,7 @@ class Objects:
         """A frame of len(keys) pages with one reference per page; `keys` are the pages'
         dedup index keys (a frame's pages keep only those: the bytes decide equality);
         `dict_id` the dictionary it was compressed with (0: none)."""
-        blob = self._new(compressed, codec_id, dict_id, 0, 0, now, len(keys))
+        blob = self._new(compressed, codec_id, dict_id, now, len(keys))
         self.blobs.ref[blob] = len(keys)
         for sub, key in enumerate(keys):
             self.blobs.members[blob, sub] = key
@@ -137,8 +139,7 @@ class Objects:
         self.codec_pages[codec_id] += len(keys)
         return blob
 
-    def _new(self, stored, codec_id: int, dict_id: int, lo: int, hi: int, now: int,
-             pages: int) -> int:
+    def _new(self, stored, codec_id: int, dict_id: int, now: int, pages: int) -> int:
         """A blob row for `stored`, in a pool cell, or on disk with the pool at its cap."""
         blobs = self.blobs
         csum = integrity.checksum(stored)
@@ -146,7 +147,7 @@ class Objects:
             arena, cell = self.pool.alloc(len(stored))
         except PoolFull as exc:
             # The row first: a disk extent is sealed to its blob id and generation.
-            blob = blobs.new(-1, 0, len(stored), codec_id, lo, hi, dict_id, pages, csum)
+            blob = blobs.new(-1, 0, len(stored), codec_id, dict_id, pages, csum)
             try:
                 offset = self.disk_put(stored, str(exc), blob)
             except BaseException:
@@ -157,7 +158,7 @@ class Objects:
             self.counters.direct_to_disk += 1
         else:
             self.pool.put(arena, cell, stored)
-            blob = blobs.new(arena, cell, len(stored), codec_id, lo, hi, dict_id, pages, csum)
+            blob = blobs.new(arena, cell, len(stored), codec_id, dict_id, pages, csum)
         blobs.atime[blob] = now
         return blob
 
@@ -176,11 +177,9 @@ class Objects:
             blobs.ref[blob] = ref
             return
         pages = int(blobs.pages[blob])
-        if pages == 1:
-            self.index.remove(index_key(int(blobs.hash_lo[blob])), pack(blob))
-        else:
-            for sub in range(pages):
-                self.index.remove(int(blobs.members[blob, sub]), pack(blob, sub))
+        for sub in range(pages):
+            self.index.remove(int(blobs.members[blob, sub]), pack(blob, sub))
+        if pages > 1:
             self.frames.discard(blob)
         self.hot.discard(blob)
         if blobs.tier[blob] == POOL:

@@ -30,18 +30,18 @@ import numpy as np
 
 from ..codec.codecs import MAX_COMPRESSED, CodecSet, PooledCodec, make_codec
 from ..codec.dictionaries import StoreDictionaries
-from ..config import MAX_FRAME_PAGES
+from ..config import MAX_DEVICE_SIZE, MAX_FRAME_PAGES
 from ..errors import OutOfRange, StoreFull
 from . import accounting
 from .blobs import BlobTable
 from .cache import HotCache
-from .dedup import DedupIndex, HashFn
+from .dedup import SUB_BITS, DedupIndex, HashFn
 from .integrity import Corrupt
 from .disk import DiskTier
 from .objects import Counters, Deferred, Objects
 from .placement import Placer, Prepared
 from .pool import Pool
-from .slots import BLOB, EMPTY, SAME, SlotTable
+from .slots import BLOB, EMPTY, SAME, TICK_MASK, SlotTable
 from .tiering import DEMOTE_CHUNK, REWRITE_CHUNK, Tiering, Tiers
 
 TICKS_PER_SECOND = 100  # 10 ms ticks: uint32 lasts 497 days, then ticks are rebased
@@ -87,6 +87,8 @@ class PageStore:
             raise ValueError(f"frame_pages {frame_pages} outside 1..{MAX_FRAME_PAGES}")
         if size <= 0 or size % page_size:
             raise ValueError(f"device size {size} must be a positive multiple of {page_size}")
+        if size > MAX_DEVICE_SIZE:  # the slot and index columns name blobs with 32 bits
+            raise ValueError(f"device size {size} above the maximum {MAX_DEVICE_SIZE}")
         tiering = tiering or Tiering()
         if max_size is not None:
             tiering.max_size = max_size
@@ -117,7 +119,10 @@ class PageStore:
             else None
         )
         self.blobs = BlobTable(frame_pages=frame_pages)
-        self.index = DedupIndex(enabled=dedup)
+        sub_mask = (1 << SUB_BITS) - 1
+        # a resize re-places entries by their full keys, which the blob table keeps
+        self.index = DedupIndex(enabled=dedup, key_of=lambda values: self.blobs.members[
+            (values >> SUB_BITS).astype(np.int64), (values & sub_mask).astype(np.int64)])
         self.counters = Counters()
         self.hot = HotCache(tiering.hot_cache_size)
         frames = HotCache(_FRAME_CACHE_FRAMES * frame_pages * page_size if frame_pages > 1 else 0)
@@ -275,7 +280,10 @@ class PageStore:
         return tick
 
     def _rebase(self, shift: int) -> None:
-        for times in (self.blobs.atime, self.blobs.rtime, self.slots.rtime):
+        # The slots' 16-bit read ticks are left as they are (rewriting them would touch the
+        # whole table): the blobs' rebased ticks guard them (_pingpong), so at worst the
+        # writes of one hot window after a rebase (every 248 days) go uncounted.
+        for times in (self.blobs.atime, self.blobs.rtime):
             times[:] = np.maximum(times.astype(np.int64) - shift, 0).astype(np.uint32)
         self._tick_base += shift
 
@@ -332,6 +340,12 @@ class PageStore:
         now = self.now()
         if early is None:
             early = self.placer.split(data, count)
+        if early.same.any():
+            refused = self.slots.words.refused(early.handle[early.same])
+            if refused.any():  # no room for their words: those pages are stored as blobs
+                not_same = np.zeros(count, dtype=bool)
+                not_same[np.flatnonzero(early.same)[refused]] = True
+                early = self.placer.split(data, count, not_same)
         same, new_kind, new_handle = early.same, early.kind, early.handle
         new_sub = np.zeros(count, dtype=np.uint8)
         staged: list[int] = []  # one entry per blob reference taken for this request
@@ -351,12 +365,24 @@ class PageStore:
             raise
         for n, i in enumerate(todo):
             new_handle[i], new_sub[i] = placed[n]
-        rtimes = self.slots.rtime[first : first + count].astype(np.int64)
-        self.counters.pingpong += int(
-            np.count_nonzero((rtimes > 0) & (now - rtimes <= self.hot_ticks))
-        )
+        self.counters.pingpong += self._pingpong(first, count, now)
         self._release_slots(first, count)  # also clears the slots' last-read ticks
         self.slots.fill(first, new_kind, new_handle, new_sub)
+
+    def _pingpong(self, first: int, count: int, now: int) -> int:
+        """Slots of [first, first+count) read within hot_threshold_ms: the low 16 bits of
+        the slot's last read say so, and its blob's full last-read tick (a read of this
+        slot or of another page of its blob) rules out a wrapped 16-bit tick."""
+        rt = self.slots.rtime[first : first + count]
+        read = np.flatnonzero(rt)
+        if not len(read):
+            return 0
+        hot = self.hot_ticks
+        recent = np.ones(len(read), dtype=bool)
+        if hot <= TICK_MASK // 2:  # else the low bits cannot tell: the blob's tick decides
+            recent = ((now - rt[read].astype(np.int64)) & TICK_MASK) <= hot
+        blob_rt = self.blobs.rtime[self.slots.handle[first : first + count][read]].astype(np.int64)
+        return int(np.count_nonzero(recent & (blob_rt > 0) & (now - blob_rt <= hot)))
 
     def _release_slots(self, first: int, count: int) -> None:
         """Drop what the slots hold (before they are overwritten or emptied), visiting only
@@ -405,7 +431,7 @@ class PageStore:
             if kinds[i] == EMPTY:
                 out[i * page : (i + 1) * page] = self._zero_page
             else:
-                out[i * page : (i + 1) * page] = handles[i : i + 1].tobytes() * (page // 8)
+                out[i * page : (i + 1) * page] = self.slots.words.page(int(handles[i]), page)
         held = np.flatnonzero(kinds == BLOB)
         if not len(held):
             return
@@ -417,7 +443,7 @@ class PageStore:
             hot = (last > 0) & (now - last <= self.hot_ticks)
             self.blobs.rtime[ids] = now
             self.blobs.atime[ids] = now
-            self.slots.rtime[first : first + count][held] = now
+            self.slots.rtime[first : first + count][held] = (now & TICK_MASK) or 1
         for i, blob, is_hot in zip(held.tolist(), ids.tolist(), hot.tolist()):
             self._read_blob(out, i, first + i, blob, is_hot, touch, late)
 
@@ -450,7 +476,7 @@ class PageStore:
             if kind == EMPTY:
                 out[i * page : (i + 1) * page] = self._zero_page
             elif kind == SAME:
-                out[i * page : (i + 1) * page] = self.handle[slot : slot + 1].tobytes() * (page // 8)
+                out[i * page : (i + 1) * page] = self.slots.words.page(int(self.handle[slot]), page)
             else:
                 blob = int(self.handle[slot])
                 is_hot = False
@@ -459,7 +485,7 @@ class PageStore:
                     is_hot = last > 0 and now - last <= self.hot_ticks
                     blobs.rtime[blob] = now
                     blobs.atime[blob] = now
-                    self.slots.rtime[slot] = now
+                    self.slots.rtime[slot] = (now & TICK_MASK) or 1
                 self._read_blob(out, i, slot, blob, is_hot, touch, late)
 
     # -- tiers, accounting (the work is in `tiering` and `accounting`) -----------------

@@ -110,10 +110,15 @@ class Placer:
         self.frame_pages = frame_pages
         self.hot_ticks = hot_ticks
 
-    def split(self, data: memoryview, count: int) -> Prepared:
-        """Same-filled pages and the others, for `count` whole pages of `data`."""
+    def split(self, data: memoryview, count: int, not_same: np.ndarray | None = None) -> Prepared:
+        """Same-filled pages and the others, for `count` whole pages of `data`; pages in
+        `not_same` are stored as blobs even if same-filled (no room for their word)."""
         page = self.objects.page_size
         same, kind, handle = same_filled(data, count, page)
+        if not_same is not None:
+            same &= ~not_same
+            kind[not_same] = BLOB
+            handle[not_same] = 0
         todo = np.flatnonzero(~same).tolist()
         return Prepared(same, kind, handle, todo, [data[i * page : (i + 1) * page] for i in todo])
 
@@ -193,15 +198,18 @@ class Placer:
         """(blob, page in blob) of a stored page equal to `page`, with one more reference."""
         objects = self.objects
         blobs = objects.blobs
-        for tried, value in enumerate(objects.index.candidates(index_key(lo))):
+        key = index_key(lo)
+        for tried, value in enumerate(objects.index.candidates(key)):
             if tried >= MAX_CANDIDATES:  # the index keeps no more; never compare more
                 break
-            self.counters.dedup_compares += 1
             blob, sub = unpack(value)
-            if blobs.pages[blob] == 1:
-                equal = int(blobs.hash_hi[blob]) == hi and objects.page(blob, 0) == page
-            else:  # frame pages keep only the index key; the bytes decide
-                equal = objects.page(blob, sub) == page
+            # The index keeps a 16-bit fingerprint; the blob table the full 32-bit key of
+            # each stored page (blobs.members): a candidate whose key differs is no match
+            # and costs no comparison. Otherwise the bytes decide.
+            if int(blobs.members[blob, sub]) != key:
+                continue
+            self.counters.dedup_compares += 1
+            equal = objects.page(blob, sub) == page
             if equal:
                 objects.ref(blob)
                 blobs.atime[blob] = now

@@ -1,8 +1,13 @@
 """The slot table: one slot per 4 KiB page of the device, in preallocated numpy arrays.
 
-Columns (14 bytes per slot, no Python object per page): `kind` (EMPTY, SAME or BLOB),
-`handle` (the blob id, or the repeated 64-bit word of a same-filled page: zram's trick),
-`sub` (the page within a multi-page blob) and `rtime` (the slot's last read, for ping-pong).
+Columns (8 bytes per slot, no Python object per page): `kind` (EMPTY, SAME or BLOB),
+`handle` (the blob id, or for a same-filled page the id of its 64-bit word in `words`),
+`sub` (the page within a multi-page blob) and `rtime` (the low 16 bits of the slot's last
+read tick, for ping-pong; the blob's full tick guards it, pagestore._pingpong).
+
+Same-filled pages (zram's trick: a page that is one 64-bit word repeated stores the word)
+name their word through `SameWords`: the zero page is word 0, and a bounded table holds the
+others with their slot counts, so a handle is 32 bits and not 64.
 
 The chunk books count the slots in use per CHUNK_SLOTS slots and remember the chunks ever
 written. The arrays are zero-filled lazily by the kernel: a chunk costs memory once written,
@@ -20,16 +25,96 @@ EMPTY = 0
 SAME = 1
 BLOB = 2
 
-CHUNK_SLOTS = 512  # slot-table bookkeeping step: one page of `handle`, one swap cluster
+CHUNK_SLOTS = 512  # slot-table bookkeeping step: one swap cluster
+# Distinct non-zero same-fill words held at once. A page with a further word is stored as a
+# blob (it compresses to a few bytes): a tenant filling pages with distinct words cannot grow
+# the table, and real heaps hold few such words.
+MAX_WORDS = 4096
+TICK_MASK = 0xFFFF  # `rtime` keeps this much of a tick (10 ms ticks: 655 s)
+
+
+class SameWords:
+    """The 64-bit words of same-filled slots: id 0 is the zero word (always there), ids
+    1..MAX_WORDS-1 are held while some slot uses them (`refs`)."""
+
+    def __init__(self) -> None:
+        self.words = np.zeros(16, dtype=np.uint64)
+        self.refs = np.zeros(16, dtype=np.uint32)
+        self._ids: dict[int, int] = {}
+        self._free: list[int] = []
+        self._next = 1
+
+    def nbytes(self) -> int:
+        return self.words.nbytes + self.refs.nbytes + 100 * len(self._ids)  # ~a dict entry
+
+    def refused(self, words: np.ndarray) -> np.ndarray:
+        """Mask over `words` (same-fill words of one request) of those that would not get an
+        id: the new words beyond the room left (rare: those pages are stored as blobs)."""
+        refused = np.zeros(len(words), dtype=bool)
+        room = len(self._free) + MAX_WORDS - self._next
+        admitted: set[int] = set()
+        for n, word in enumerate(words.tolist()):
+            if word == 0 or word in self._ids or word in admitted:
+                continue
+            if len(admitted) < room:
+                admitted.add(word)
+            else:
+                refused[n] = True
+        return refused
+
+    def take(self, words: np.ndarray) -> np.ndarray:
+        """The ids of `words`, one more slot each (room checked by `refused`)."""
+        ids = np.zeros(len(words), dtype=np.uint32)
+        for n in np.flatnonzero(words).tolist():
+            word = int(words[n])
+            wid = self._ids.get(word)
+            if wid is None:
+                wid = self._free.pop() if self._free else self._alloc()
+                self._ids[word] = wid
+                self.words[wid] = word
+            self.refs[wid] += 1
+            ids[n] = wid
+        return ids
+
+    def _alloc(self) -> int:
+        wid = self._next
+        if wid >= MAX_WORDS:
+            raise AssertionError("same-fill word table full (refused() not asked)")
+        self._next += 1
+        if wid >= len(self.words):
+            size = min(MAX_WORDS, 2 * len(self.words))
+            self.words = np.concatenate([self.words, np.zeros(size - len(self.words), np.uint64)])
+            self.refs = np.concatenate([self.refs, np.zeros(size - len(self.refs), np.uint32)])
+        return wid
+
+    def drop(self, ids: np.ndarray) -> None:
+        """One slot fewer for each of `ids`; a word no slot uses any more goes."""
+        for wid in ids[ids != 0].tolist():
+            self.refs[wid] -= 1
+            if not self.refs[wid]:
+                del self._ids[int(self.words[wid])]
+                self.words[wid] = 0
+                self._free.append(wid)
+
+    def page(self, wid: int, page_size: int) -> bytes:
+        return self.words[wid : wid + 1].tobytes() * (page_size // 8)
+
+    def check(self, ids: np.ndarray) -> None:
+        """`ids`: the handles of every same-filled slot."""
+        counts = np.bincount(ids.astype(np.int64), minlength=len(self.refs))
+        assert np.array_equal(counts[1:], self.refs[1:].astype(np.int64)), "word counts disagree"
+        assert len(self._ids) == int(np.count_nonzero(self.refs[1:]))
+        assert all(int(self.words[w]) == word for word, w in self._ids.items())
 
 
 class SlotTable:
     def __init__(self, nslots: int) -> None:
         self.nslots = nslots
         self.kind = tables.zeros(nslots, np.uint8)
-        self.handle = tables.zeros(nslots, np.uint64)
+        self.handle = tables.zeros(nslots, np.uint32)  # blob id, or same-fill word id
         self.sub = tables.zeros(nslots, np.uint8)  # page within a multi-page blob
-        self.rtime = tables.zeros(nslots, np.uint32)  # last read, for ping-pong
+        self.rtime = tables.zeros(nslots, np.uint16)  # last read (low bits), for ping-pong
+        self.words = SameWords()
         self.slot_bytes = sum(a.itemsize for a in (self.kind, self.handle, self.sub, self.rtime))
         nchunks = -(-nslots // CHUNK_SLOTS)
         self.chunk_live = np.zeros(nchunks, dtype=np.int32)  # slots in use per chunk
@@ -59,17 +144,26 @@ class SlotTable:
     def clear(self, first: int, count: int) -> None:
         """Empty the slots (their blobs are released by the caller)."""
         end = first + count
-        self.same_pages -= int(np.count_nonzero(self.kind[first:end] == SAME))
+        same = self.kind[first:end] == SAME
+        if same.any():
+            self.same_pages -= int(np.count_nonzero(same))
+            self.words.drop(self.handle[first:end][same])
         self.kind[first:end] = EMPTY
         self.handle[first:end] = 0
         self.sub[first:end] = 0
         self.rtime[first:end] = 0
 
     def fill(self, first: int, kind: np.ndarray, handle: np.ndarray, sub: np.ndarray) -> None:
-        """Set empty slots [first, first+len(kind)) and bring the chunk books up to date."""
+        """Set empty slots [first, first+len(kind)) and bring the chunk books up to date.
+        `handle`: blob ids, and for SAME slots their 64-bit words (SameWords.refused has
+        been asked)."""
         end = first + len(kind)
+        same = kind == SAME
+        ids = handle.astype(np.uint32)
+        if same.any():
+            ids[same] = self.words.take(handle[same])
         self.kind[first:end] = kind
-        self.handle[first:end] = handle
+        self.handle[first:end] = ids
         self.sub[first:end] = sub
         self.same_pages += int(np.count_nonzero(kind == SAME))
         c0, c1 = self.chunks(first, len(kind))
@@ -93,11 +187,12 @@ class SlotTable:
     def touched_bytes(self) -> int:
         """Memory of the chunks ever written, not mincore: reading a never-written part of
         these tables maps the kernel's zero page, which mincore reports but costs nothing."""
-        return int(self.chunk_touched.sum()) * CHUNK_SLOTS * self.slot_bytes
+        return int(self.chunk_touched.sum()) * CHUNK_SLOTS * self.slot_bytes + self.words.nbytes()
 
     def check(self) -> None:
         """Cross-check the chunk books and the same-filled count; raises AssertionError."""
         assert self.same_pages == int(np.count_nonzero(self.kind == SAME))
+        self.words.check(self.handle[self.kind == SAME])
         per_chunk = np.add.reduceat((self.kind != EMPTY).astype(np.int32),
                                     np.arange(0, self.nslots, CHUNK_SLOTS))
         assert np.array_equal(per_chunk, self.chunk_live), "chunk counts disagree"

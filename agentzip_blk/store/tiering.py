@@ -233,6 +233,7 @@ class Tiers:
         placed: list[tuple[int, int]] = [(0, 0)] * len(pages)
         staged: list[int] = []
         now = int(objects.blobs.atime[blob])  # the pages keep their age
+        last_read = int(objects.blobs.rtime[blob])  # and their last read (ping-pong)
         try:
             store.placer.store_group(list(range(len(pages))), pages, hashes, now, None,
                                      placed, staged)
@@ -240,6 +241,8 @@ class Tiers:
             for new in staged:
                 objects.release(new)
             raise
+        for new in set(staged):
+            objects.blobs.rtime[new] = last_read
         home = dict(zip(subs, placed))
         taken = set()
         for slot in frame_slots:
@@ -319,9 +322,35 @@ class Tiers:
             blobs.arena[blob], blobs.cell[blob] = arena, cell
         return len(movers)
 
+    def resize_index(self) -> bool:
+        """Give the dedup index the capacity it wants (dedup.DedupIndex.wanted): the new
+        table is allocated and written without the store lock, then filled under it."""
+        store = self.store
+        with store.lock:
+            capacity = store.index.wanted()
+        if capacity is None:
+            return False
+        arrays = store.index.prepare(capacity)
+        with store.lock:
+            return store.index.adopt(*arrays)
+
+    def grow_blob_table(self) -> bool:
+        """Grow the blob table ahead of need, the same way (blobs.BlobTable.wanted), so that
+        a write request seldom has to."""
+        store, blobs = self.store, self.objects.blobs
+        with store.lock:
+            capacity, rows = blobs.wanted(), blobs.rows
+        if capacity is None:
+            return False
+        arrays = blobs.prepare(capacity, rows)
+        with store.lock:
+            return blobs.adopt(arrays)
+
     def maintain(self) -> dict:
-        """One round of background work: drop the dead pages of sparse frames, demote while
-        above the threshold, then compact."""
+        """One round of background work: size the dedup index ahead of need, drop the dead
+        pages of sparse frames, demote while above the threshold, then compact."""
+        self.resize_index()
+        self.grow_blob_table()
         rewritten = 0
         for _ in range(REWRITE_ROUNDS):
             done = self.rewrite_sparse_frames()
@@ -358,12 +387,16 @@ class Maintainer:
 
     def start(self) -> None:
         self.store.wake = self._event.set
+        with self.store.lock:
+            self.store.index.hand_growth_to(self._event.set)  # off the write path from now on
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
         self._event.set()
         self._thread.join(timeout=10)
+        with self.store.lock:
+            self.store.index.hand_growth_to(None)
 
     def _run(self) -> None:
         while not self._stop.is_set():

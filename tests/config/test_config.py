@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from agentzip_blk.config import load as config_mod
 from agentzip_blk.config import (
+    MAX_DEVICE_SIZE,
     CompressionConfig,
     Config,
     ConfigError,
@@ -148,7 +149,7 @@ def valid_configs(draw):
             {"cgroup": st.from_regex(r"[a-z*?.-]{1,20}(\[[a-z]+\])?", fullmatch=True), "enabled": st.booleans()}),
             max_size=3)),
         "device": {
-            "size": 4096 * draw(st.integers(256, 1 << 30)),
+            "size": 4096 * draw(st.integers(256, MAX_DEVICE_SIZE // 4096)),
             "swap_priority": draw(st.integers(-1, 32767)),
             "run_dir": "/run/" + draw(st.from_regex(r"[a-z]{1,8}", fullmatch=True)),
             "rotational": draw(st.booleans()),

@@ -129,8 +129,9 @@ def test_index_probe_is_bounded():
     # Keys that are all different but share their home position: the linear-probing
     # cluster a flood would build. Lookups, inserts and removes look at MAX_PROBE positions.
     index = DedupIndex(capacity=1 << 12)
-    home = 5
-    keys = [home | (n + 1) << 16 for n in range(MAX_PROBE + 20)]
+    # the high bits pick the home, the low 16 the fingerprint: distinct fingerprints
+    keys = [5 << 24 | (n + 2) for n in range(MAX_PROBE + 20)]
+    assert len({index.home(k) for k in keys}) == 1
     accepted = [index.insert(k, n) for n, k in enumerate(keys)]
     assert accepted.count(True) == MAX_PROBE
     assert index.unindexed == 20
