@@ -326,7 +326,7 @@ def markdown(doc: dict) -> str:
              f"taking turns (round 1: each configuration, round 2: each again, ...); "
              + ("before each round" if doc.get("rebaseline_every_round") else "before each later round")
              + " the workload's unconstrained CHECK is timed again, and that round's "
-             f"slowdowns are against it." if o.get("repeat", 1) > 1 else ""), ""]
+             "slowdowns are against it." if o.get("repeat", 1) > 1 else ""), ""]
     loads = [c.get("loadavg_1m") for w in doc["workloads"].values() for cfg in cfgs
              for c in rounds(w, cfg) if c and c.get("loadavg_1m") is not None]
     if loads:
@@ -521,9 +521,9 @@ def chart(doc: dict, path: str) -> None:
             xs = [i + (j - 0.5) * width for i in range(len(ws))]
             means = [sp.mean if sp else 0 for _, sp in row]
             sds = [sp.sd if sp else 0 for _, sp in row]
-            bars = ax.bar(xs, means, width, yerr=sds if n > 1 else None, capsize=4, label=label,
-                          color=colour, hatch=hatch, edgecolor="black", linewidth=0.6,
-                          error_kw={"elinewidth": 1.2, "ecolor": "black"})
+            ax.bar(xs, means, width, yerr=sds if n > 1 else None, capsize=4, label=label,
+                   color=colour, hatch=hatch, edgecolor="black", linewidth=0.6,
+                   error_kw={"elinewidth": 1.2, "ecolor": "black"})
             for x, m, sd in zip(xs, means, sds):  # above the error bar, not under it
                 if m:
                     ax.annotate(fmt.format(m) + (f"\n± {fmt.format(sd)}" if n > 1 else ""),

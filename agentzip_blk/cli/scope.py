@@ -42,17 +42,23 @@ def _backend(args):
         return None
 
 
+def _rel_of_under(backend):
+    """A ledger entry's cgroup relative to the backend's mount (its recorded name when the
+    entry lies outside it)."""
+    mount = backend.mount.rstrip("/") + "/"
+
+    def rel_of(e):
+        d = e.path.rsplit("/", 1)[0]
+        return backend.rel_of(d) if d.startswith(mount) or d == backend.mount else e.cgroup
+
+    return rel_of
+
+
 def _release(args, run_dir: str) -> str:
     from ..cgroups import ledger, scopes
 
     backend = _backend(args)
-    rel_of = None
-    if backend is not None:
-        mount = backend.mount.rstrip("/") + "/"
-
-        def rel_of(e):
-            d = e.path.rsplit("/", 1)[0]
-            return backend.rel_of(d) if d.startswith(mount) or d == backend.mount else e.cgroup
+    rel_of = _rel_of_under(backend) if backend is not None else None
     # a --cgroup-root tree is a fake one of plain files (as in `tune`): not on cgroupfs
     fake = (args.cgroup_root or "/") != "/"
     report = ledger.release_unscoped(run_dir, scopes.list_scopes(args.config), fake=fake,

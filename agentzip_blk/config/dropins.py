@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
 
 from ..errors import ConfigError
 from .schema import KEY_ALIASES

@@ -346,7 +346,7 @@ class PageStore:
                 not_same = np.zeros(count, dtype=bool)
                 not_same[np.flatnonzero(early.same)[refused]] = True
                 early = self.placer.split(data, count, not_same)
-        same, new_kind, new_handle = early.same, early.kind, early.handle
+        new_kind, new_handle = early.kind, early.handle
         new_sub = np.zeros(count, dtype=np.uint8)
         staged: list[int] = []  # one entry per blob reference taken for this request
         disk_before = self.disk.writes if self.disk else 0

@@ -14,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
-import hashlib
 import json
 import mmap
 import os
