@@ -274,8 +274,10 @@ class Tiers:
 
     def _compact_class(self, class_index: int) -> int:
         """Empty the class's sparsest arenas, COMPACT_CHUNK cells per hold of the store lock.
-        Between holds requests run: they free cells (the next chunk looks again) and take
-        free cells, so a move may find no room left; the rest then stays where it is."""
+        The blobs to move are found once; between holds requests run, so each chunk keeps
+        only those still live in a source arena (nothing new lands in one: they take no
+        allocations). Requests also take free cells, so a move may find no room left; the
+        rest then stays where it is."""
         lock = self.store.lock
         blobs, pool = self.objects.blobs, self.pool
         with lock:
@@ -283,29 +285,30 @@ class Tiers:
             if not sources:
                 return 0
             pool.evacuate(sources)
+            movers = self._in_arenas(np.arange(blobs.capacity), sources)
         moved = 0
         try:
-            while True:
+            for start in range(0, len(movers), COMPACT_CHUNK):
                 with lock:
                     sources = pool.still_evacuating(sources)
                     if not sources:
                         break
-                    n = blobs.capacity
-                    movers = np.flatnonzero(
-                        (blobs.ref[:n] > 0) & (blobs.tier[:n] == POOL)
-                        & np.isin(blobs.arena[:n], sources)
-                    )[:COMPACT_CHUNK]
-                    if not len(movers):
-                        break
-                    done = self._move_cells(movers.tolist())
+                    chunk = self._in_arenas(movers[start : start + COMPACT_CHUNK], sources)
+                    done = self._move_cells(chunk.tolist())
                     moved += done
                     self.counters.pages_moved += done
-                    if done < len(movers):
+                    if done < len(chunk):
                         break  # no room: the pool filled meanwhile
         finally:
             with lock:
                 pool.end_evacuation()
         return moved
+
+    def _in_arenas(self, ids: np.ndarray, arenas: list[int]) -> np.ndarray:
+        """Those of blob rows `ids` that are live pool blobs in one of `arenas`."""
+        blobs = self.objects.blobs
+        return ids[(blobs.ref[ids] > 0) & (blobs.tier[ids] == POOL)
+                   & np.isin(blobs.arena[ids], arenas)]
 
     def _move_cells(self, movers: list[int]) -> int:
         """Each blob's cell copied to a cell outside the evacuated arenas (under the lock)."""

@@ -228,16 +228,17 @@ def test_webhook_is_tls_only(webhook_url):
 # --- node agent --------------------------------------------------------------------------------
 
 class PodListServer:
-    """A real HTTP server serving whatever PodList is set, recording request paths."""
+    """A real HTTP server serving whatever PodList is set, recording each request's path and
+    Authorization header; over HTTPS with ``tls=(cert, key)``."""
 
-    def __init__(self):
+    def __init__(self, tls: tuple[Path, Path] | None = None):
         self.pod_list: dict = {}
-        self.paths: list[str] = []
+        self.requests: list[tuple[str, str | None]] = []
         outer = self
 
         class H(http.server.BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802
-                outer.paths.append(self.path)
+                outer.requests.append((self.path, self.headers.get("Authorization")))
                 body = json.dumps(outer.pod_list).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
@@ -249,8 +250,18 @@ class PodListServer:
                 pass
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        scheme = "http"
+        if tls is not None:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(str(tls[0]), str(tls[1]))
+            self.server.socket = ctx.wrap_socket(self.server.socket, server_side=True)
+            scheme = "https"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.base = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.base = f"{scheme}://127.0.0.1:{self.server.server_address[1]}"
+
+    @property
+    def paths(self) -> list[str]:
+        return [path for path, _ in self.requests]
 
     def close(self):
         self.server.shutdown()

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import copy
-import http.server
 import json
 import os
 import shutil
@@ -26,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from agentzip_blk.fleet.k8s import annotations as ann, nodeagent, podcgroup, webhook
+from fleet.test_k8s import PodListServer
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "tests/data"
@@ -285,44 +285,13 @@ def test_node_agent_skips_malformed_items_and_processes_the_rest():
 
 # --- node agent against a fake API server over HTTPS --------------------------------------------
 
-class FakeAPI:
-    """GET /api/v1/pods: records path and Authorization, answers a PodList (HTTPS)."""
-
-    def __init__(self, cert: Path, key: Path, pod_list: dict):
-        self.requests: list[tuple[str, str | None]] = []
-        outer = self
-
-        class H(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802
-                outer.requests.append((self.path, self.headers.get("Authorization")))
-                body = json.dumps(pod_list).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *a):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.load_cert_chain(str(cert), str(key))
-        self.server.socket = ctx.wrap_socket(self.server.socket, server_side=True)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.base = f"https://127.0.0.1:{self.server.server_address[1]}"
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture
 def fake_api(tmp_path):
     cert, key = make_cert(tmp_path / "api", "kube-apiserver")
     pods = load("kubelet_pods.json")
     pods["items"][0]["spec"]["nodeName"] = "worker-2"
-    api = FakeAPI(cert, key, pods)
+    api = PodListServer(tls=(cert, key))
+    api.pod_list = pods
     yield api, cert
     api.close()
 

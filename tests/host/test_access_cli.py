@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from agentzip_blk.host import facts
+from host.test_device import assert_clean, leftovers
 
 NOBODY = 65534
 AZ = os.path.join(os.path.dirname(sys.executable), "agentzip-blk")
@@ -108,29 +109,7 @@ def test_cli_up_then_other_uid_is_shut_out():
         if down.returncode != 0:  # the safe order, in-process, before anything is removed
             from agentzip_blk.host import attach
             attach.down(run_dir, force=True, timeout=30)
-        left = leftovers(run_dir)
-        if not left:
+        if not any(leftovers(run_dir).values()):
             shutil.rmtree(base, ignore_errors=True)
     assert down.returncode == 0, down.stdout + down.stderr
-    assert left == []
-
-
-def leftovers(run_dir: str) -> list[str]:
-    """What of this run is still attached: mounts, loop devices, processes naming it."""
-    found = []
-    with open("/proc/mounts") as f:
-        found += [f"mount {line.split()[1]}" for line in f if run_dir in line]
-    for dev in os.listdir("/sys/block"):
-        backing = os.path.join("/sys/block", dev, "loop", "backing_file")
-        if os.path.exists(backing):
-            with open(backing) as f:
-                if run_dir in f.read():
-                    found.append(f"loop /dev/{dev}")
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if run_dir.encode() in f.read():
-                    found.append(f"process {pid}")
-        except OSError:
-            pass
-    return found
+    assert_clean(run_dir)
