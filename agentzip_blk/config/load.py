@@ -28,6 +28,7 @@ from .schema import (ALGORITHMS, DEDUP_MODES, DEFAULT_CONFIG_PATH, DICTIONARY_MO
                      KEY_ALIASES,
                      LEVEL_RANGES,
                      MAX_DEVICE_SIZE, MAX_FRAME_PAGES, MIN_SIZE, SUPPORTED_PAGE_SIZE, SWAP_PRIORITY_RANGE,
+                     WARM_ALGORITHMS,
                      CompressionConfig, Config, DeviceConfig, PolicyConfig, PoolConfig, Scope,
                      default_scopes)
 
@@ -170,7 +171,12 @@ def _parse_compression(value: Any, known_dictionaries: Collection[str] | None) -
     frame_pages = _int(data.get("frame_pages", d.frame_pages), f"compression.{frame_key}", 1,
                        MAX_FRAME_PAGES, f"1-{MAX_FRAME_PAGES} pages")
     dedup = _dedup(data.get("dedup", d.dedup))
-    return CompressionConfig(algorithm, level, dictionary, SUPPORTED_PAGE_SIZE, frame_pages, dedup)
+    warm = data.get("warm_algorithm", d.warm_algorithm)
+    if not isinstance(warm, str) or warm not in WARM_ALGORITHMS:
+        raise ConfigError(f"compression.warm_algorithm: {warm!r} is not supported "
+                          f"({' | '.join(WARM_ALGORITHMS)})")
+    return CompressionConfig(algorithm, level, dictionary, SUPPORTED_PAGE_SIZE, frame_pages, dedup,
+                             warm)
 
 
 def _dedup(value: Any) -> str:
@@ -222,7 +228,11 @@ def _parse_policy(value: Any) -> PolicyConfig:
     if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target <= 100:
         raise ConfigError(f"policy.pressure_target: {target!r} must be a number of percent, "
                           "greater than 0 and at most 100 (e.g. 0.1)")
-    return PolicyConfig(hot, warm, seconds, hot_cache, float(target))
+    cpu = data.get("recompress_cpu", d.recompress_cpu)
+    if isinstance(cpu, bool) or not isinstance(cpu, (int, float)) or not 0 <= cpu <= 64:
+        raise ConfigError(f"policy.recompress_cpu: {cpu!r} must be a number of CPUs from 0 "
+                          "to 64 (e.g. 0.25 for a quarter of one CPU; 0: never recompress)")
+    return PolicyConfig(hot, warm, seconds, hot_cache, float(target), float(cpu))
 
 
 def _parse_scopes(value: Any) -> list[Scope]:

@@ -46,6 +46,13 @@ class CompressionConfig:
     # Share identical pages between slots (bytes compared, keyed hash: store/dedup.py). off:
     # no page is shared between slots, so whether another tenant holds a page cannot show.
     dedup: str = "on"
+    # The fast codec a page is stored with alone when the kernel writes it (the warm form:
+    # a fault decodes one page); the recompressor packs it into frames of `algorithm` once
+    # nobody read it for policy.cold_grace_period. none: frames at once (one speed).
+    warm_algorithm: str = "lz4"
+
+
+WARM_ALGORITHMS = ("lz4", "zstd", "none")  # zstd warm: level 1, no dictionary
 
 
 @dataclass
@@ -68,6 +75,9 @@ class PolicyConfig:
     # the tuner's goal: percent of wall time some task of a scoped cgroup stalls on memory
     # (PSI "some"; on v1 estimated from refaults and major faults); it squeezes below it
     pressure_target: float = 0.1
+    # CPUs' worth of thread time the recompressor may spend packing warm pages cold
+    # (measured on its thread's CPU clock); 0: pages stay warm
+    recompress_cpu: float = 0.25
 
 
 @dataclass

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..codec import codecs
-from .blobs import DISK, POOL
+from .blobs import DISK, POOL, WARM
 from .dedup import SUB_BITS
 from .disk import ALLOC_STEP
 from .slots import BLOB, EMPTY
@@ -36,7 +36,8 @@ def meta_parts(store: PageStore) -> dict[str, int]:
         "blob_table": store.blobs.used_bytes,
         "dedup_index": resident(store.index.arrays()),
         "codecs": store.codecs.memory_bytes()
-        + (store.frame_codec.memory_bytes() if store.frame_codec else 0),
+        + (store.frame_codec.memory_bytes() if store.frame_codec else 0)
+        + (store.warm_codec.memory_bytes() if store.warm_codec else 0),
         "pool_books": store.pool.meta_bytes(),
         "disk_books": store.disk.meta_bytes() if store.disk else 0,
     }
@@ -120,7 +121,39 @@ def stats(store: PageStore) -> dict:
             },
         },
         "temperature": _temperature(store, slot_blobs),
+        **_forms(store, slot_blobs, live, lengths),
         **asdict(store.counters),
+    }
+
+
+def _forms(store: PageStore, slot_blobs: np.ndarray, live: np.ndarray,
+           lengths: np.ndarray) -> dict:
+    """Pages and stored bytes of each form (docs/JSON.md): warm (alone, fast codec) and cold
+    (dense) in the pool, on disk, same-filled; they add up to `pages`. Stored bytes are the
+    blobs' compressed lengths (a shared blob once)."""
+    blobs, page = store.blobs, store.page_size
+    in_pool = blobs.tier[slot_blobs] == POOL
+    warm_slot = blobs.form[slot_blobs] == WARM
+    warm_pages = int(np.count_nonzero(in_pool & warm_slot))
+    pool_pages = int(np.count_nonzero(in_pool))
+    pool_blobs = live & (blobs.tier == POOL)
+    warm_stored = int(lengths[pool_blobs & (blobs.form == WARM)].sum())
+    cold_stored = int(lengths[pool_blobs & (blobs.form != WARM)].sum())
+    cold_pages = pool_pages - warm_pages
+    recompressor = store.recompressor
+    return {
+        "warm_pages": warm_pages,
+        "warm_stored": warm_stored,
+        "warm_ratio": round(warm_pages * page / warm_stored, 4) if warm_stored else 0.0,
+        "cold_pages": cold_pages,
+        "cold_stored": cold_stored,
+        "cold_ratio": round(cold_pages * page / cold_stored, 4) if cold_stored else 0.0,
+        "pool_pages": pool_pages + store.slots.same_pages,
+        "disk_pages": len(slot_blobs) - pool_pages,
+        "recompress_backlog": recompressor.backlog(),
+        "recompressed_pages_total": store.counters.recompressed_pages,
+        "recompress_cpu_seconds_total": round(recompressor.cpu_seconds, 6),
+        "recompress_raced": recompressor.raced,
     }
 
 
@@ -191,6 +224,9 @@ def check(store: PageStore) -> None:
     assert not slots.sub[~held].any()
     slots.check()
     assert int(store.objects.codec_pages.sum()) == len(blob_slots)
+    warm = live & (blobs.form == WARM)
+    assert (blobs.pages[warm] == 1).all(), "a warm blob holds more than one page"
+    assert not (blobs.dict_id[warm]).any(), "a warm blob names a dictionary"
     in_pool = live & (blobs.tier == POOL)
     assert pool.live_cells == int(in_pool.sum()), "pool cells leak"
     cells = sum(pool.class_for(int(n)).cell_size for n in blobs.length[in_pool])

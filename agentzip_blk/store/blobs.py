@@ -20,6 +20,12 @@ from .dedup import MAX_BLOBS
 POOL = 0
 DISK = 1
 
+# The two speeds (docs/ARCHITECTURE.md, "Two forms"): a page the kernel writes is stored
+# alone with the fast codec (WARM), so that a fault decodes one page; the recompressor
+# packs warm pages nobody read for policy.cold_grace_period into frames (DENSE).
+DENSE = 0
+WARM = 1
+
 _COLUMNS = {
     "arena": np.int32,  # pool arena id (or next free row while the row is free)
     "cell": np.uint32,  # cell index inside the arena
@@ -38,6 +44,7 @@ _COLUMNS = {
     # the stored bytes' checksum (store.integrity: low 32 bits of xxh3_64), verified by every
     # read: 4 bytes per blob, a frame of 16 pages pays it once
     "csum": np.uint32,
+    "form": np.uint8,  # WARM or DENSE
 }
 ROW_BYTES = sum(np.dtype(t).itemsize for t in _COLUMNS.values())
 GROW_AHEAD = 0.75  # the maintainer doubles the table once this share of its rows is used
@@ -95,6 +102,7 @@ class BlobTable:
         self.atime[blob] = 0
         self.rtime[blob] = 0
         self.csum[blob] = csum
+        self.form[blob] = DENSE
         self.count += 1
         return blob
 

@@ -62,6 +62,7 @@ class Counters:
     # frames compressed under the store lock: sparse-frame rewrites, and the frames of
     # writes that placement.Placer.prepare could not compress early (part already stored)
     frames_compressed_locked: int = 0
+    recompressed_pages: int = 0  # warm slots the recompressor switched to the dense form
 
 
 class Decoding:

@@ -22,13 +22,14 @@ promotes it while the pool is below the demotion target.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable
 
 import numpy as np
 
-from ..codec.codecs import MAX_COMPRESSED, CodecSet, PooledCodec, make_codec
+from ..codec.codecs import MAX_COMPRESSED, Codec, CodecSet, PooledCodec, make_codec
 from ..codec.dictionaries import StoreDictionaries
 from ..config import MAX_DEVICE_SIZE, MAX_FRAME_PAGES
 from ..errors import OutOfRange, StoreFull
@@ -42,6 +43,7 @@ from .objects import Counters, Deferred, Objects
 from .placement import Placer, Prepared
 from .pool import Pool
 from .slots import BLOB, EMPTY, SAME, TICK_MASK, SlotTable
+from .recompress import Recompressor
 from .tiering import DEMOTE_CHUNK, REWRITE_CHUNK, Tiering, Tiers
 
 TICKS_PER_SECOND = 100  # 10 ms ticks: uint32 lasts 497 days, then ticks are rebased
@@ -59,6 +61,15 @@ _SNAPSHOT_READERS_WITHIN = 60.0  # s: the maintainer refreshes cached stats read
 # s: and at most this often. The scan holds the store lock (~40 ms per 64Ki pages stored,
 # BENCHMARKS.md): at most once per 2 s however many scrapes come, instead of once per scrape.
 SNAPSHOT_REFRESH_EVERY = 2.0
+
+
+def make_warm_codec(algorithm: str, page_size: int) -> Codec | None:
+    """The warm form's codec (compression.warm_algorithm); None for "none" (frames at once).
+    Pooled: request threads compress warm pages before they take the lock."""
+    if algorithm == "none":
+        return None
+    level = 1  # the fast end: lz4's default acceleration, zstd's fastest regular level
+    return PooledCodec(lambda: make_codec(algorithm, level, page_size))
 
 
 def _ticks(seconds: float) -> int:
@@ -80,6 +91,7 @@ class PageStore:
         frame_pages: int = 1,
         dedup: bool = True,
         hasher: HashFn | None = None,
+        warm_algorithm: str = "none",
     ) -> None:
         if page_size != 4096:
             raise ValueError("only 4096-byte pages are supported")
@@ -136,8 +148,15 @@ class PageStore:
         self.hot_ticks = _ticks(tiering.hot_threshold_ms / 1000)
         self.warm_ticks = _ticks(tiering.warm_threshold_ms / 1000)
         self.cold_ticks = _ticks(tiering.cold_grace_period)
+        self.warm_codec = make_warm_codec(warm_algorithm, page_size)
         self.placer = Placer(self.objects, self.codecs, self.frame_codec, self.dicts,
-                             self.counters, frame_pages, self.hot_ticks, dedup, hasher)
+                             self.counters, frame_pages, self.hot_ticks, dedup, hasher,
+                             warm_codec=self.warm_codec)
+        self.recompressor = Recompressor(self, tiering.recompress_cpu)
+        # requests started and finished (next() on a count is atomic under the GIL): the
+        # recompressor gives way while the difference is not 0
+        self._started, self._finished = itertools.count(), itertools.count()
+        self._started_n = self._finished_n = 0
         self.tiers = Tiers(self)
         self.objects.promote = self.tiers.promote
         self.reclaim_bytes = self.tiers.reclaim_bytes
@@ -157,6 +176,7 @@ class PageStore:
             dictionary=config.compression.dictionary,
             frame_pages=config.compression.frame_pages,
             dedup=config.compression.dedup == "on",
+            warm_algorithm=config.compression.warm_algorithm,
             **kwargs,
         )
 
@@ -171,7 +191,24 @@ class PageStore:
 
     # -- public requests -------------------------------------------------------------
 
+    def requests_in_flight(self) -> int:
+        """Requests between their start and their end (a moment's view, lock-free)."""
+        return max(0, self._started_n - self._finished_n)
+
+    def _begin(self) -> None:
+        self._started_n = next(self._started) + 1
+
+    def _end(self) -> None:
+        self._finished_n = next(self._finished) + 1
+
     def write(self, buf, offset: int) -> None:
+        self._begin()
+        try:
+            self._write_request(buf, offset)
+        finally:
+            self._end()
+
+    def _write_request(self, buf, offset: int) -> None:
         data = memoryview(buf).cast("B")
         # The expensive part, compressing the request's frames, happens before the lock, so
         # that reads and other writes do not wait behind it (placement.Placer.prepare).
@@ -193,6 +230,13 @@ class PageStore:
             self.wake()
 
     def readinto(self, buf, offset: int) -> None:
+        self._begin()
+        try:
+            self._read_request(buf, offset)
+        finally:
+            self._end()
+
+    def _read_request(self, buf, offset: int) -> None:
         out = memoryview(buf).cast("B")
         # Pool blobs are decompressed after the lock (objects.Deferred), so that a read's
         # decompression does not hold up other requests' bookkeeping.
@@ -354,7 +398,8 @@ class PageStore:
         self.dicts.maybe_collect(self.blobs)
         placed: list[tuple[int, int]] = [(0, 0)] * len(pages)  # (blob, page in blob)
         try:
-            self.placer.place(pages, now, placed, staged, early.hashes, early.frames, early.copies)
+            self.placer.place(pages, now, placed, staged, early.hashes, early.frames, early.copies,
+                              early.warm)
             if self.disk and self.disk.writes != disk_before:
                 # Inside the try: a failed write-back fails the request and releases its
                 # staged blobs (they used to leak, with no slot referring to them).

@@ -24,6 +24,7 @@ from ..codec.dictionaries import StoreDictionaries
 from ..codec.dictionaries.selector import Choice
 from .dedup import MAX_CANDIDATES, HashFn, PageHasher, index_key, unpack
 from .objects import Counters, Objects
+from .blobs import WARM
 from .slots import BLOB, SAME
 
 _NO_HASH = (0, 0)  # the hash of every page with dedup off: never looked up
@@ -54,6 +55,8 @@ class Prepared:
     hashes: list[tuple[int, int]] | None = None
     copies: tuple[list[int], dict[int, int]] | None = None  # first_copies(pages, hashes)
     frames: dict[tuple[int, ...], tuple[bytes, int]] = field(default_factory=dict)
+    # the warm form: each new page (by position in `pages`) compressed alone, fast
+    warm: dict[int, bytes] = field(default_factory=dict)
 
 
 def first_copies(pages: list[memoryview], hashes: list[tuple[int, int]],
@@ -96,8 +99,12 @@ class _Chooser:
 class Placer:
     def __init__(self, objects: Objects, codecs: CodecSet, frame_codec: Codec | None,
                  dicts: StoreDictionaries, counters: Counters, frame_pages: int,
-                 hot_ticks: int, dedup: bool = True, hasher: HashFn | None = None) -> None:
+                 hot_ticks: int, dedup: bool = True, hasher: HashFn | None = None,
+                 warm_codec: Codec | None = None) -> None:
         self.objects = objects
+        # The warm form's codec (compression.warm_algorithm): new pages are stored alone with
+        # it, and the recompressor packs them into frames later. None: frames at once.
+        self.warm_codec = warm_codec
         self.dedup = dedup
         # keyed, random per store; tests may pass a weak one to force collisions
         self.hasher: HashFn = hasher or PageHasher()
@@ -126,13 +133,18 @@ class Placer:
         """`split`, the hashes, and the frames compressed, for a request of whole pages.
         Runs without the store lock and reads no store state: only the request's bytes."""
         page = self.objects.page_size
-        if self.frame_codec is None or not data or offset % page or len(data) % page:
+        if self.frame_codec is None and self.warm_codec is None:
+            return None
+        if not data or offset % page or len(data) % page:
             return None
         early = self.split(data, len(data) // page)
         early.hashes = self.hashes(early.pages)
         # worked out once, here, before the lock: `place` reuses it under the lock
         early.copies = first_copies(early.pages, early.hashes, self.dedup)
         fresh = early.copies[0]
+        if self.warm_codec is not None:
+            early.warm = {n: self.warm_codec.compress(early.pages[n]) for n in fresh}
+            return early
         step = self.frame_pages
         groups = [tuple(fresh[start : start + step]) for start in range(0, len(fresh), step)]
         joined = [b"".join(early.pages[n] for n in g) for g in groups if len(g) > 1]
@@ -153,11 +165,13 @@ class Placer:
               placed: list[tuple[int, int]], staged: list[int],
               hashes: list[tuple[int, int]] | None = None,
               frames: dict[tuple[int, ...], tuple[bytes, int]] | None = None,
-              copies: tuple[list[int], dict[int, int]] | None = None) -> None:
+              copies: tuple[list[int], dict[int, int]] | None = None,
+              warm: dict[int, bytes] | None = None) -> None:
         """Find or store a home for each page: an equal page already stored (any blob, any
-        page of a frame), an equal page earlier in this request, or a new blob. Fills
-        `placed` with (blob, page in blob) and appends every reference taken to `staged`.
-        `hashes`, `frames` and `copies` come from `prepare` when it ran."""
+        page of a frame), an equal page earlier in this request, or a new blob (warm, or
+        in a frame). Fills `placed` with (blob, page in blob) and appends every reference
+        taken to `staged`. `hashes`, `frames`, `copies` and `warm` come from `prepare`
+        when it ran."""
         if hashes is None:
             hashes = self.hashes(pages)
         firsts, repeat_of = copies if copies is not None else first_copies(pages, hashes, self.dedup)
@@ -182,6 +196,12 @@ class Placer:
                 self.counters.dedup_hits += 1
             else:
                 repeats.append((n, earlier))
+        if self.warm_codec is not None:
+            for n in fresh:
+                blob = self.store_warm(pages[n], hashes[n], now, (warm or {}).get(n))
+                placed[n] = (blob, 0)
+                staged.append(blob)
+            fresh = []
         step = self.frame_pages
         chooser = _Chooser(self.dicts, pages)
         for start in range(0, len(fresh), step):
@@ -252,6 +272,16 @@ class Placer:
             blob = self.store_page(pages[n], hashes[n], now, choice, sample)
             placed[n] = (blob, 0)
             staged.append(blob)
+
+    def store_warm(self, page: memoryview, digest: tuple[int, int], now: int,
+                   compressed: bytes | None = None) -> int:
+        """A new one-page blob in the warm form: `page` compressed alone by the fast codec
+        (`compressed`, when `prepare` did it), or raw when that does not pay."""
+        stored, codec_id, _ = self.codecs.encode_page(page, self.warm_codec, 0, compressed)
+        lo, hi = digest
+        blob = self.objects.new_page(stored, codec_id, 0, lo, hi, now)
+        self.objects.blobs.form[blob] = WARM
+        return blob
 
     def store_page(self, page: memoryview, digest: tuple[int, int], now: int,
                    choice: Choice | None, compressed: bytes | None = None) -> int:

@@ -1,0 +1,250 @@
+"""The recompressor: warm pages nobody read for `policy.cold_grace_period` packed cold.
+
+The two forms (docs/ARCHITECTURE.md, "Two forms"): a page the kernel writes is stored
+alone with the fast codec (`compression.warm_algorithm`), so a fault decodes one page. A
+page that stays out is worth the dense form: frames of `compression.frame_pages` pages at
+`compression.algorithm`/`level`, with the dictionary where it pays. Like zram's
+`recompress` of idle pages, this is background work, in three steps per pass:
+
+1. under the store lock: pick up to CHUNK_PAGES warm blobs past the grace period (under
+   pool pressure, the oldest warm blobs whatever their age), in the order of the slots
+   that hold them, so that pages written together (one request, neighbouring slots) land
+   in one frame and a re-touch of a cold run decodes each frame once; copy their bytes;
+2. without it: verify and decode the copies, compress the frames;
+3. under it again: switch each group whose blobs are all unchanged (same generation,
+   still warm, in the pool, held by exactly the slots seen in step 1) to its new frame,
+   and release the warm blobs. A group that changed meanwhile (a slot rewritten, trimmed,
+   shared by a new write, demoted) is left as it is and picked again later, so a
+   rewritten slot keeps its new bytes and a stop in the middle loses nothing.
+
+The budget: at most `policy.recompress_cpu` CPUs of this thread's CPU time (a pass that
+took d seconds of CPU is followed by d * (1 / budget - 1) seconds of rest), and a pass
+waits while requests are in flight (requests first).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..errors import CodecError, StoreFull
+from .blobs import DENSE, POOL, WARM
+from .disk import DiskError
+from .integrity import Corrupt, matches
+from .slots import BLOB
+
+if TYPE_CHECKING:
+    from .pagestore import PageStore
+
+CHUNK_PAGES = 256  # warm blobs per pass: ~15-25 ms of zstd, one short lock hold each side
+ROUND_SECONDS = 0.5  # wall time one maintenance round gives the recompressor at most
+YIELD_SLICE = 0.0005  # s: the wait while requests are in flight
+YIELD_MAX = 0.02  # s: at most this much waiting per pass, so a busy store still drains
+
+
+@dataclass
+class _Picked:
+    """A warm blob copied out under the lock: what step 3 checks it against."""
+    blob: int
+    gen: int
+    slots: list[int]
+    stored: bytes
+    codec: int
+    csum: int
+    atime: int
+    rtime: int
+
+
+class Recompressor:
+    def __init__(self, store: PageStore, cpu_budget: float,
+                 cpu_clock: Callable[[], float] = time.thread_time,
+                 wall_clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.store = store
+        self.cpu_budget = cpu_budget
+        self._cpu_clock, self._wall, self._sleep = cpu_clock, wall_clock, sleep
+        self._next_pass = 0.0  # wall time before which the budget says rest
+        self.pages_total = 0  # warm slots switched to the dense form
+        self.cpu_seconds = 0.0
+        self.raced = 0  # groups left as they were: changed while being packed
+
+    @property
+    def enabled(self) -> bool:
+        return self.store.warm_codec is not None and self.cpu_budget > 0
+
+    def backlog(self) -> int:
+        """Warm pages (slot references) older than the grace period. Under the store lock."""
+        store, blobs = self.store, self.store.blobs
+        n = blobs.capacity
+        old = (blobs.ref[:n] > 0) & (blobs.form[:n] == WARM) & (
+            store.now() - blobs.atime[:n].astype(np.int64) >= store.cold_ticks)
+        return int(blobs.ref[:n][old].astype(np.int64).sum())
+
+    def run(self, pressure: bool = False, seconds: float = ROUND_SECONDS,
+            stopping: Callable[[], bool] = lambda: False) -> int:
+        """Passes for up to `seconds` of wall time within the CPU budget; slots packed."""
+        if not self.enabled:
+            return 0
+        deadline = self._wall() + seconds
+        packed = 0
+        while not stopping():
+            rest = self._next_pass - self._wall()
+            if rest > 0:
+                if self._wall() + rest > deadline:
+                    break
+                self._sleep(rest)
+            self._give_way()
+            started = self._cpu_clock()
+            done = self.pass_once(pressure)
+            spent = self._cpu_clock() - started
+            self.cpu_seconds += spent
+            self._next_pass = self._wall() + spent * (1 / self.cpu_budget - 1)
+            packed += done
+            if not done or self._wall() >= deadline:
+                break
+        return packed
+
+    def _give_way(self) -> None:
+        waited = 0.0
+        while self.store.requests_in_flight() and waited < YIELD_MAX:
+            self._sleep(YIELD_SLICE)
+            waited += YIELD_SLICE
+
+    def pass_once(self, pressure: bool = False) -> int:
+        """One pick / pack / switch; returns the slots switched to the dense form."""
+        picked = self._pick(pressure)
+        if not picked:
+            return 0
+        pages, groups, bad = self._decode(picked)
+        store = self.store
+        frames = self._compress(pages, groups)
+        hashes = store.placer.hashes(pages)
+        with store.lock:
+            for p in bad:  # unreadable: leave it to the reads (EIO), stop picking it
+                if self._unchanged(p):
+                    store.blobs.form[p.blob] = DENSE
+            switched = 0
+            for group in groups:
+                try:
+                    switched += self._switch([picked[n] for n in group], group, pages,
+                                             hashes, frames)
+                except (StoreFull, DiskError, CodecError):
+                    break  # no room: the pages stay warm
+            self.pages_total += switched
+            store.counters.recompressed_pages += switched
+            return switched
+
+    def _pick(self, pressure: bool) -> list[_Picked]:
+        store, blobs, slots = self.store, self.store.blobs, self.store.slots
+        with store.lock:
+            n = blobs.capacity
+            warm = (blobs.ref[:n] > 0) & (blobs.form[:n] == WARM) & (blobs.tier[:n] == POOL)
+            if not pressure:
+                warm &= store.now() - blobs.atime[:n].astype(np.int64) >= store.cold_ticks
+            if not warm.any():
+                return []
+            held = slots.blob_slots()
+            owners = slots.handle[held].astype(np.int64)
+            mine = warm[owners]
+            held, owners = held[mine], owners[mine]
+            if pressure:  # the oldest warm blobs first, then packed in slot order
+                uniq = np.unique(owners)
+                oldest = uniq[np.argsort(blobs.atime[uniq], kind="stable")][:CHUNK_PAGES]
+                keep = np.isin(owners, oldest)
+                held, owners = held[keep], owners[keep]
+            _, first = np.unique(owners, return_index=True)
+            chosen = owners[np.sort(first)][:CHUNK_PAGES].tolist()
+            slots_of: dict[int, list[int]] = {blob: [] for blob in chosen}
+            for slot, blob in zip(held.tolist(), owners.tolist()):
+                if blob in slots_of:
+                    slots_of[blob].append(slot)
+            pool = store.pool
+            return [
+                _Picked(blob, int(blobs.gen[blob]), slots_of[blob],
+                        pool.get(int(blobs.arena[blob]), int(blobs.cell[blob]),
+                                 int(blobs.length[blob])),
+                        int(blobs.codec[blob]), int(blobs.csum[blob]),
+                        int(blobs.atime[blob]), int(blobs.rtime[blob]))
+                for blob in chosen
+            ]
+
+    def _decode(self, picked: list[_Picked]) -> tuple[list[bytes], list[list[int]], list[_Picked]]:
+        """The pages, the groups of positions to pack together (runs of frame_pages in slot
+        order), and the blobs whose bytes did not verify or decode."""
+        store = self.store
+        pages: list[bytes] = []
+        good: list[int] = []
+        bad: list[_Picked] = []
+        for n, p in enumerate(picked):
+            try:
+                if not matches(p.stored, p.csum):
+                    raise Corrupt(f"blob {p.blob}: checksum mismatch in its pool cell")
+                pages.append(store.objects.decode(p.codec, p.stored, 0, store.page_size))
+                good.append(n)
+            except (Corrupt, CodecError):
+                pages.append(b"")
+                bad.append(p)
+        step = store.frame_pages
+        groups = [good[i : i + step] for i in range(0, len(good), step)]
+        return pages, groups, bad
+
+    def _compress(self, pages: list[bytes], groups: list[list[int]]) -> dict:
+        """The frames, compressed here, outside the lock (keyed as placement expects)."""
+        store = self.store
+        multi = [g for g in groups if len(g) > 1]
+        if not multi or store.frame_codec is None:
+            return {}
+        joined = [b"".join(pages[n] for n in g) for g in multi]
+        choice = store.dicts.choose_frames(joined)
+        frames = {}
+        for k, group in enumerate(multi):
+            out = choice.sample_out if k == choice.sample else choice.codec.compress(joined[k])
+            frames[tuple(group)] = (out, choice.dict_id)
+        return frames
+
+    def _unchanged(self, p: _Picked) -> bool:
+        """Whether `p`'s blob is as step 1 saw it: the same row generation, still warm in the
+        pool, and held by exactly the slots seen then (no new sharer, none rewritten)."""
+        blobs, slots = self.store.blobs, self.store.slots
+        if blobs.ref[p.blob] == 0 or int(blobs.gen[p.blob]) != p.gen:
+            return False
+        if blobs.form[p.blob] != WARM or blobs.tier[p.blob] != POOL:
+            return False
+        still = [s for s in p.slots if slots.kind[s] == BLOB and int(slots.handle[s]) == p.blob]
+        return len(still) == len(p.slots) == int(blobs.ref[p.blob])
+
+    def _switch(self, group: list[_Picked], positions: list[int], pages: list[bytes],
+                hashes: list[tuple[int, int]], frames: dict) -> int:
+        """Under the store lock: the group's slots moved to their new dense blob(s)."""
+        if not all(self._unchanged(p) for p in group):
+            self.raced += 1
+            return 0
+        store, objects, slots = self.store, self.store.objects, self.store.slots
+        views = [memoryview(page) for page in pages]
+        placed: list[tuple[int, int]] = [(0, 0)] * len(pages)
+        staged: list[int] = []
+        atime = max(p.atime for p in group)  # the pages keep their age and last read
+        try:
+            store.placer.store_group(positions, views, hashes, atime, None, placed, staged,
+                                     frames)
+        except BaseException:
+            for blob in staged:
+                objects.release(blob)
+            raise
+        rtime = max(p.rtime for p in group)
+        for blob in set(staged):
+            objects.blobs.rtime[blob] = rtime
+        switched = 0
+        for p, n in zip(group, positions):
+            new, sub = placed[n]
+            for k, slot in enumerate(p.slots):
+                if k:  # the staged reference covers the first slot; the others share it
+                    objects.ref(new)
+                slots.handle[slot], slots.sub[slot] = new, sub
+                objects.release(p.blob)
+                switched += 1
+        return switched
