@@ -79,6 +79,7 @@ class SwapConfig:
     dictionary: str | None = None  # agentzip: compression.dictionary; None = the default
     frame_pages: int | None = None  # agentzip: compression.frame_pages; None = the default
     rotational: bool | None = None  # agentzip: device.rotational; None = the default
+    warm: str | None = None  # agentzip: compression.warm_algorithm; None = the default
 
     @property
     def is_zram(self) -> bool:
@@ -108,6 +109,8 @@ def swap_configs(with_dictionaries: bool) -> list[SwapConfig]:
     codecs side by side with zram's), and multi-page frames of 4-16 pages."""
     out = [SwapConfig("zram-lz4", "zram", "lz4"), SwapConfig("zram-lzo-rle", "zram", "lzo-rle"),
            SwapConfig("agentzip-default", "agentzip", "default"),
+           SwapConfig("agentzip-warm-zstd", "agentzip", "default", warm="zstd"),
+           SwapConfig("agentzip-one-speed", "agentzip", "default", warm="none"),
            SwapConfig("agentzip-rotational", "agentzip", "default", rotational=True),
            SwapConfig("agentzip-vma-readahead", "agentzip", "default", rotational=False),
            SwapConfig("agentzip-lz4", "agentzip", "lz4", 1, "none", 1),
@@ -219,6 +222,7 @@ class Options:
     workdir: str = "/tmp"
     mb_scale: float = 1.0
     repeat: int = 1  # cycles per configuration, interleaved (zram, ours, zram, ours, ...)
+    cold_wait: float = 120.0  # s: agentzip, after the probe: the backlog drained (wait_cold)
 
 
 class Bench:
@@ -356,6 +360,8 @@ class Bench:
                                                       "dictionary": cfg.dictionary}
         if cfg.frame_pages is not None:
             comp["frame_pages"] = cfg.frame_pages
+        if cfg.warm is not None:
+            comp["warm_algorithm"] = cfg.warm
         device = {"size": self.opts.swap_size, "run_dir": run_dir}
         if cfg.rotational is not None:
             device["rotational"] = cfg.rotational
@@ -399,6 +405,8 @@ class Bench:
             cg.set_limit(None)
             lat = pagewalk.probe(cg.pids(), o.probe_samples, swapped=True, seed=o.seed)
             r["latency"] = latency_summary(lat)
+            if not cfg.is_zram and o.cold_wait > 0:
+                r["cold"] = wait_cold(backend, cg, o.cold_wait, self.prog)
             wl_cpu0, t = tree_cpu(cg.pids()), time.monotonic()
             wl.send("CHECK")
             check = parse_check(wl.expect("CHECK", o.timeout))
@@ -434,6 +442,30 @@ class Bench:
             shutil.rmtree(run_dir, ignore_errors=True)
             r["swaps_after_detach"] = [s["filename"] for s in common.proc_swaps()]
         return r
+
+
+def wait_cold(backend, cg: MemoryCgroup, limit: float, prog) -> dict:
+    """Two speeds: wait until the recompressor has packed every warm page past the grace
+    period (the backlog at 0, after at least one grace period), and the device then: the
+    ratio once pages are cold, and how long the backlog took to drain."""
+    prog.phase("waiting for the warm pages to go cold")
+    start = time.monotonic()
+    from agentzip_blk.config import PolicyConfig
+    grace = PolicyConfig().cold_grace_period  # bench configs keep the default policy
+    while True:
+        time.sleep(1.0)
+        st = backend.stats()
+        waited = time.monotonic() - start
+        if (waited >= grace and st.get("recompress_backlog", 0) == 0) or waited >= limit:
+            break
+    snap = driver.snapshot(backend, cg)
+    dev = snap["device"]
+    return {"waited_s": round(waited, 1), "drained": st.get("recompress_backlog", 0) == 0,
+            "orig_mem": dev.get("orig_mem", 0), "stored_mem": dev.get("stored_mem", 0),
+            "ratio_device": dev["orig_mem"] / dev["stored_mem"] if dev.get("stored_mem") else None,
+            "warm_pages": dev.get("warm_pages"), "cold_pages": dev.get("cold_pages"),
+            "recompress_cpu_s": dev.get("recompress_cpu_seconds_total"),
+            "server_rss": snap["server_rss"]}
 
 
 def derive(r: dict, cfg: SwapConfig, base: dict) -> None:
@@ -543,6 +575,9 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workloads", default="A,B,C,D", help="keys to run (default A,B,C,D)")
+    ap.add_argument("--cold-wait", type=float, default=120.0,
+                    help="agentzip: after the fault probe, wait up to this many seconds for the "
+                         "recompress backlog to drain, then measure the cold ratio (0: skip)")
     ap.add_argument("--configs", default="", help="comma-separated configuration names (default: all)")
     ap.add_argument("--repeat", type=int, default=1, metavar="N",
                     help="run every configuration N times per workload, in turns (error bars; default 1)")
@@ -583,7 +618,7 @@ def main(argv=None) -> int:
     specs_all = workloads(sys.executable)
     specs = [specs_all[k.strip()] for k in a.workloads.split(",") if k.strip()]
     opts = Options(seed=a.seed, limit_fraction=a.limit_fraction, probe_samples=a.probe_samples,
-                   mb_scale=a.mb_scale, repeat=a.repeat)
+                   mb_scale=a.mb_scale, repeat=a.repeat, cold_wait=a.cold_wait)
     prog = driver.Progress(sys.stderr)
     t0 = time.monotonic()
     doc = {"date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),

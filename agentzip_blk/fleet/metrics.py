@@ -94,6 +94,10 @@ COUNTERS = [
     ("disk_errors", "disk_errors", "Disk-tier I/O errors."),
     ("compactions", "compactions", "Pool compaction rounds."),
     ("pages_moved", "compaction_moved_pages", "Cells moved by compaction."),
+    ("recompressed_pages_total", "recompressed_pages",
+     "Warm pages the recompressor packed into the dense (cold) form."),
+    ("recompress_cpu_seconds_total", "recompress_cpu_seconds",
+     "CPU seconds the recompressor spent (policy.recompress_cpu bounds it)."),
 ]
 
 
@@ -136,6 +140,20 @@ def stats_metrics(st: dict) -> Iterator[Metric]:
         to.add_metric([tier], float(t.get("orig_bytes", 0)))
         ts.add_metric([tier], float(t.get("stored_bytes", 0)))
     yield from (tp, to, ts)
+
+    form_pages = GaugeMetricFamily(_n("form_pages"), "Pages by form: warm (alone, fast codec), "
+                                   "cold (dense frames), same-filled, disk.", labels=["form"])
+    form_stored = GaugeMetricFamily(_n("form_stored_bytes"), "Compressed bytes by form "
+                                    "(pool only).", labels=["form"])
+    for form in ("warm", "cold"):
+        form_pages.add_metric([form], float(st.get(f"{form}_pages", 0)))
+        form_stored.add_metric([form], float(st.get(f"{form}_stored", 0)))
+    form_pages.add_metric(["same"], float(st.get("same_pages", 0)))
+    form_pages.add_metric(["disk"], float(st.get("disk_pages", 0)))
+    yield from (form_pages, form_stored)
+    yield GaugeMetricFamily(_n("recompress_backlog_pages"),
+                            "Warm pages older than policy.cold_grace_period, not yet packed.",
+                            value=float(st.get("recompress_backlog", 0)))
 
     temp = GaugeMetricFamily(_n("temperature_pages"), "Pages by temperature.",
                              labels=["temperature"])

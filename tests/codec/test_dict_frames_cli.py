@@ -64,6 +64,7 @@ def test_server_frames_use_a_chosen_dictionary_and_only_it_is_loaded(tmp_path, m
     monkeypatch.setenv("AGENTZIP_DICT_DIR", str(dict_dir_with_json(tmp_path)))
     config = tmp_path / "config.yaml"
     config.write_text("compression:\n  dictionary: prebuilt\n  frame_pages: 16\n"
+                      "  warm_algorithm: none\n"  # frames as written: the choice is on write
                       f"pool:\n  swap_out_path: {tmp_path / 'disk-tier'}\n")
     srv = start_server(tmp_path, size=str(8 << 20), config=config)
     try:

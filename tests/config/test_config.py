@@ -130,6 +130,7 @@ def valid_configs(draw):
             "page_size": 4096,
             "frame_pages": draw(st.integers(1, 16)),
             "dedup": draw(st.sampled_from(["on", "off"])),
+            "warm_algorithm": draw(st.sampled_from(["lz4", "zstd", "none"])),
         },
         "pool": {
             "max_size": draw(st.integers(1 << 20, 1 << 44)),
@@ -144,6 +145,7 @@ def valid_configs(draw):
             "cold_grace_period": draw(st.floats(0.001, 1e6)),
             "hot_cache_size": draw(st.integers(0, 1 << 34)),
             "pressure_target": draw(st.floats(0.001, 100)),
+            "recompress_cpu": draw(st.floats(0, 64)),
         },
         "scopes": draw(st.lists(st.fixed_dictionaries(
             {"cgroup": st.from_regex(r"[a-z*?.-]{1,20}(\[[a-z]+\])?", fullmatch=True), "enabled": st.booleans()}),

@@ -126,6 +126,7 @@ def test_scrape_matches_stats_json(tmp_path):
     # applies only to those, not to multi-page units).
     config = tmp_path / "config.yaml"
     config.write_text(f"compression:\n  dictionary: python312\n  frame_pages: 1\n"
+                      "  warm_algorithm: none\n"  # pages alone with the dictionary, as written
                       f"pool:\n  swap_out_path: {tmp_path / 'disk-tier'}\n")
     srv = start_server(tmp_path, size=str(SIZE), config=config)
     try:

@@ -287,3 +287,28 @@ def test_up_with_a_foreign_python3_first_on_path(operator, tmp_path):
     wl = op.workload("foreign", mb=120)
     assert op.squeeze(wl) >= 32 * MiB
     verify(wl)
+
+
+def test_warm_pages_are_packed_cold_over_the_cli(operator):
+    """Two speeds, as an operator sees them: pages arrive warm (lz4, one page each), the
+    backlog drains once the grace period is over, the ratio rises, and every page of the
+    workload comes back exact."""
+    op = operator(policy={"cold_grace_period": "10s"})
+    op.run("up")
+    wl = op.workload("speeds", mb=160)
+    assert op.squeeze(wl) >= 64 * MiB
+    first = json.loads(op.run("stats", "--json").stdout)
+    assert first["warm_pages"] > 0, "nothing arrived warm"
+    assert first["warm_pages"] + first["cold_pages"] + first["same_pages"] + first["disk_pages"] \
+        == first["pages"]
+    deadline = time.monotonic() + 180
+    while True:
+        time.sleep(2)
+        last = json.loads(op.run("stats", "--json").stdout)
+        if last["recompress_backlog"] == 0 and last["warm_pages"] < first["warm_pages"] // 10:
+            break
+        assert time.monotonic() < deadline, f"backlog did not drain: {last['recompress_backlog']}"
+    assert last["recompressed_pages_total"] > 0 and last["recompress_cpu_seconds_total"] > 0
+    assert last["cold_stored"] > 0 and last["ratio"] > first["ratio"], (first["ratio"], last["ratio"])
+    verify(wl)
+    assert json.loads(op.run("stats", "--json").stdout)["errors"] == 0
