@@ -48,6 +48,10 @@ _COLUMNS = {
 }
 ROW_BYTES = sum(np.dtype(t).itemsize for t in _COLUMNS.values())
 GROW_AHEAD = 0.75  # the maintainer doubles the table once this share of its rows is used
+# Free rows above the last live one worth giving back (`release_tail`): the warm form takes
+# a row per page, the dense form one per frame, so after the recompressor most rows of a
+# burst are free (~100 B each: 16 members of 4 B and the columns).
+TAIL_RELEASE_ROWS = 4096
 
 
 class BlobTable:
@@ -112,6 +116,63 @@ class BlobTable:
         self.arena[blob] = self._free_head
         self._free_head = blob
         self.count -= 1
+
+    # -- the tail: rows handed out, then freed --------------------------------------------
+
+    def move_down(self, rows: list[int]) -> dict[int, int]:
+        """Under the store lock: the contents of `rows` moved to the lowest free rows below
+        them; returns {old row: new row} for those moved. The caller re-points every
+        reference (slots, dedup index, caches). The free list is relinked lowest first."""
+        used = self._next_unused
+        free = np.flatnonzero(self.ref[:used] == 0).tolist()
+        moved: dict[int, int] = {}
+        k = 0
+        for src in sorted(rows, reverse=True):
+            if k >= len(free) or free[k] >= src:
+                break
+            dst = free[k]
+            k += 1
+            for name in _COLUMNS:
+                if name != "gen":  # each row keeps counting its own generations
+                    column = getattr(self, name)
+                    column[dst] = column[src]
+            self.members[dst] = self.members[src]
+            self.ref[src] = 0
+            self.gen[src] += 1
+            moved[src] = dst
+        if moved:
+            self._relink()
+        return moved
+
+    def _relink(self) -> None:
+        """The free list rebuilt, lowest row at its head: new rows come from the bottom."""
+        free = np.flatnonzero(self.ref[: self._next_unused] == 0)
+        self.arena[free[:-1]] = free[1:]
+        if len(free):
+            self.arena[free[-1]] = -1
+        self._free_head = int(free[0]) if len(free) else -1
+
+    def release_tail(self) -> int:
+        """Under the store lock, from the maintainer: relink the free rows lowest first (new
+        rows come from the bottom, so the top empties), and once TAIL_RELEASE_ROWS rows
+        above the last live one are free, give their pages back (every column but `gen`,
+        which must keep counting: a row reused with an old generation would pass the
+        checks of stale readers and the disk tier's sealing). Returns rows released."""
+        used = self._next_unused
+        free = np.flatnonzero(self.ref[:used] == 0)
+        if not len(free):
+            return 0
+        live_top = int(np.flatnonzero(self.ref[:used])[-1]) + 1 if self.count else 0
+        released = 0
+        if used - live_top >= TAIL_RELEASE_ROWS:
+            for name in _COLUMNS:
+                if name != "gen":
+                    tables.release_from(getattr(self, name), live_top)
+            tables.release_from(self.members, live_top)
+            self._next_unused = live_top
+            released = len(free) - int(np.count_nonzero(free < live_top))
+        self._relink()
+        return released
 
     # -- growth: ahead of need from the maintainer, inline only when it fell behind ------
 

@@ -247,4 +247,11 @@ class Recompressor:
                 slots.handle[slot], slots.sub[slot] = new, sub
                 objects.release(p.blob)
                 switched += 1
+        # The new blobs took rows at the top of the table (before the warm rows were free):
+        # moved down into those, the top empties and its pages go back (release_tail).
+        moved = objects.renumber(sorted(set(staged)))
+        for p in group:
+            for slot in p.slots:
+                old = int(slots.handle[slot])
+                slots.handle[slot] = moved.get(old, old)
         return switched

@@ -367,6 +367,9 @@ class Tiers:
         # first, whatever their age (a dense frame is what should go to disk, if anything).
         reclaiming = self.pool.allocated_bytes >= self.reclaim_bytes
         recompressed = self.store.recompressor.run(pressure=reclaiming)
+        if recompressed:
+            with self.store.lock:  # 16 warm rows became one frame's: give the top back
+                self.objects.blobs.release_tail()
         reclaiming = self.pool.allocated_bytes >= self.reclaim_bytes
         demoted = 0
         while reclaiming and self.pool.allocated_bytes > self.reclaim_target:
