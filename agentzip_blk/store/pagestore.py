@@ -63,12 +63,14 @@ _SNAPSHOT_READERS_WITHIN = 60.0  # s: the maintainer refreshes cached stats read
 SNAPSHOT_REFRESH_EVERY = 2.0
 
 
-def make_warm_codec(algorithm: str, page_size: int) -> Codec | None:
+def make_warm_codec(algorithm: str, page_size: int) -> Codec | PooledCodec | None:
     """The warm form's codec (compression.warm_algorithm); None for "none" (frames at once).
     Pooled: request threads compress warm pages before they take the lock."""
     if algorithm == "none":
         return None
     level = 1  # the fast end: lz4's default acceleration, zstd's fastest regular level
+    if algorithm == "lz4":  # no state between calls: one codec for every thread, no pool lock
+        return make_codec(algorithm, level, page_size)
     return PooledCodec(lambda: make_codec(algorithm, level, page_size))
 
 

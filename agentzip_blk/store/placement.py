@@ -143,7 +143,14 @@ class Placer:
         early.copies = first_copies(early.pages, early.hashes, self.dedup)
         fresh = early.copies[0]
         if self.warm_codec is not None:
-            early.warm = {n: self.warm_codec.compress(early.pages[n]) for n in fresh}
+            for n in fresh:
+                try:
+                    early.warm[n] = self.warm_codec.compress(early.pages[n])
+                except Exception:  # noqa: BLE001 - compressed again under the lock, if needed
+                    # A page that turns out to be stored already needs no compression: the
+                    # failure counts only for a page that must be stored (place, under the
+                    # lock), where it fails the request and changes nothing.
+                    continue
             return early
         step = self.frame_pages
         groups = [tuple(fresh[start : start + step]) for start in range(0, len(fresh), step)]

@@ -110,7 +110,9 @@ def fill_until(dev: Device, first: int, pages: list[bytes], expect: int) -> tupl
 
 def test_pool_full_is_enospc_and_keeps_pages(tmp_path):
     """A 1 MiB pool over a 1 MiB size-limited disk tier file: both fill, then ENOSPC."""
-    config = support.write_config(tmp_path, pool={"max_size": "1M", "swap_out_max_size": "1M"})
+    # no background packing: it would free room (frames need less) under the full store
+    config = support.write_config(tmp_path, pool={"max_size": "1M", "swap_out_max_size": "1M"},
+                                  policy={"recompress_cpu": 0})
     with support.loop_chain(tmp_path, size=SIZE, config=config) as chain:
         _pool_full(chain)
 
@@ -179,7 +181,9 @@ def test_disk_tier_io_errors_are_eio_and_lose_nothing(tmp_path):
     with support.failfs() as fs:
         config = support.write_config(tmp_path, pool={"max_size": "1M",
                                                       "swap_out_path": f"{fs.mountpoint}/tier"},
-                                      policy={"hot_cache_size": 0})
+                                      # the slots it finds on disk must stay there until
+                                      # it reads them: no background packing
+                                      policy={"hot_cache_size": 0, "recompress_cpu": 0})
         with support.loop_chain(tmp_path, size=SIZE, config=config) as chain:
             _disk_io_errors(chain, fs)
 
