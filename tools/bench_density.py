@@ -69,6 +69,8 @@ for _p in (REPO, TOOLS):
 from benchmd import replace_block  # noqa: E402
 from swaplock import SWAP_LOCK, swap_lock  # noqa: E402
 
+from agentzip_blk import procfs  # noqa: E402
+
 BEGIN, END = "<!-- bench_density:begin -->", "<!-- bench_density:end -->"
 MiB = 1 << 20
 GiB = 1 << 30
@@ -428,7 +430,10 @@ class Agentzip(NoSwap):
         except ValueError:
             return {"error": (p.stderr or p.stdout).strip()[-300:]}
         out = {k: st.get(k) for k in ("orig_mem", "stored_mem", "ratio", "errors", "reads", "writes",
-                                      "pingpong")}
+                                      "pingpong", "warm_pages", "cold_pages", "same_pages",
+                                      "pool_pages", "disk_pages", "returned_pages",
+                                      "recompress_backlog", "recompressed_pages_total",
+                                      "recompress_cpu_seconds_total")}
         out["server_rss"] = self.store_bytes()
         return out
 
@@ -647,6 +652,10 @@ class Trial:
             usage_end_mib=round(self.host.usage() / MiB, 1),
             swap_end_mib=round(self.host.swap_usage() / MiB, 1),
             store_end_mib=round(self.swap.store_bytes() / MiB, 1),
+            # what the kernel's swap areas hold (stale slots included), against the store's
+            # orig_mem and the sandboxes' swap (swap_end_mib): issue "hold only what the
+            # kernel still needs"
+            proc_swaps_used_mib=round(sum(a.used for a in procfs.swaps()) / MiB, 1),
             limit_end_mib=round(self.limit_now / MiB, 1) if self.limit_now else None,
             device=self.swap.stats() if self.limited else {},
             samples=self.samples,

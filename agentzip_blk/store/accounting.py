@@ -150,6 +150,9 @@ def _forms(store: PageStore, slot_blobs: np.ndarray, live: np.ndarray,
         "cold_ratio": round(cold_pages * page / cold_stored, 4) if cold_stored else 0.0,
         "pool_pages": pool_pages + store.slots.same_pages,
         "disk_pages": len(slot_blobs) - pool_pages,
+        # read back and not written since: the kernel may still need them (swap cache, a
+        # clean eviction) or may have freed their slots without telling the device
+        "returned_pages": int(np.count_nonzero(store.slots.rtime[store.slots.blob_slots()])),
         "recompress_backlog": recompressor.backlog(),
         "recompressed_pages_total": store.counters.recompressed_pages,
         "recompress_cpu_seconds_total": round(recompressor.cpu_seconds, 6),

@@ -279,7 +279,9 @@ class DedupIndex:
         """Re-place the live entries into new arrays, all at once with numpy: sorted by
         home, each takes the first position at or after both its home and the previous
         entry's (linear probing's layout); those run past the end wrap to the first free
-        positions from 0. An entry left more than MAX_PROBE from its home is not indexed."""
+        positions from 0. An entry left more than MAX_PROBE from its home is not indexed;
+        its position becomes a tombstone, not empty: entries placed after it (a later home,
+        so nearer theirs) probe through it, and an empty position would end their run."""
         live = self._fps > _TOMBSTONE
         values = self._vals[live]
         cap = len(new_fps)
@@ -301,7 +303,8 @@ class DedupIndex:
         fps = np.where(fps > _TOMBSTONE, fps, fps + 2)
         new_fps[pos[near]] = fps[near]
         new_vals[pos[near]] = values[near]
+        new_fps[pos[~near]] = _TOMBSTONE  # keeps the runs through it unbroken (docstring)
         self.unindexed += int(n - near.sum())
         self.count = int(near.sum())
-        self._tombstones = 0
+        self._tombstones = int(n - near.sum())
         self._set(new_fps, new_vals)

@@ -6,8 +6,10 @@ page that stays out is worth the dense form: frames of `compression.frame_pages`
 `compression.algorithm`/`level`, with the dictionary where it pays. Like zram's
 `recompress` of idle pages, this is background work, in three steps per pass:
 
-1. under the store lock: pick up to CHUNK_PAGES warm blobs past the grace period (under
-   pool pressure, the oldest warm blobs whatever their age), in the order of the slots
+1. under the store lock: pick up to CHUNK_PAGES warm blobs past the grace period, or
+   returned (read back since written: the page is in RAM again, and its copy is needed only
+   if the kernel evicts it clean); under pool pressure the oldest warm blobs whatever their
+   age; in the order of the slots
    that hold them, so that pages written together (one request, neighbouring slots) land
    in one frame and a re-touch of a cold run decodes each frame once; copy their bytes;
 2. without it: verify and decode the copies, compress the frames;
@@ -25,6 +27,7 @@ waits while requests are in flight (requests first).
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -41,6 +44,7 @@ if TYPE_CHECKING:
     from .pagestore import PageStore
 
 CHUNK_PAGES = 256  # warm blobs per pass: ~15-25 ms of zstd, one short lock hold each side
+QUEUE_PAGES = 16 * CHUNK_PAGES  # under pool pressure: the oldest this many per scan
 ROUND_SECONDS = 0.5  # wall time one maintenance round gives the recompressor at most
 YIELD_SLICE = 0.0005  # s: the wait while requests are in flight
 YIELD_MAX = 0.02  # s: at most this much waiting per pass, so a busy store still drains
@@ -71,18 +75,23 @@ class Recompressor:
         self.pages_total = 0  # warm slots switched to the dense form
         self.cpu_seconds = 0.0
         self.raced = 0  # groups left as they were: changed while being packed
+        # candidates found by the last scan, in slot order, with the slots and generation
+        # each had then (checked again at the pick and at the switch)
+        self._queue: deque[int] = deque()
+        self._slots_of: dict[int, list[int]] = {}
+        self._gen_of: dict[int, int] = {}
+        self._queue_pressure = False
 
     @property
     def enabled(self) -> bool:
         return self.store.warm_codec is not None and self.cpu_budget > 0
 
     def backlog(self) -> int:
-        """Warm pages (slot references) older than the grace period. Under the store lock."""
-        store, blobs = self.store, self.store.blobs
-        n = blobs.capacity
-        old = (blobs.ref[:n] > 0) & (blobs.form[:n] == WARM) & (
-            store.now() - blobs.atime[:n].astype(np.int64) >= store.cold_ticks)
-        return int(blobs.ref[:n][old].astype(np.int64).sum())
+        """Warm pages (slot references) to pack now: older than the grace period, or
+        returned. Under the store lock."""
+        blobs = self.store.blobs
+        due = self._warm_mask(False)
+        return int(blobs.ref[: len(due)][due].astype(np.int64).sum())
 
     def run(self, pressure: bool = False, seconds: float = ROUND_SECONDS,
             stopping: Callable[[], bool] = lambda: False) -> int:
@@ -139,38 +148,83 @@ class Recompressor:
             return switched
 
     def _pick(self, pressure: bool) -> list[_Picked]:
+        """Up to CHUNK_PAGES candidates, their bytes copied, under the store lock. The slot
+        table is scanned once per queue (in slot order), not once per pass: a scan costs
+        ~10-20 µs per page held, as much as the packing itself (BENCHMARKS.md, "Two speeds")."""
         store, blobs, slots = self.store, self.store.blobs, self.store.slots
         with store.lock:
-            n = blobs.capacity
-            warm = (blobs.ref[:n] > 0) & (blobs.form[:n] == WARM) & (blobs.tier[:n] == POOL)
-            if not pressure:
-                warm &= store.now() - blobs.atime[:n].astype(np.int64) >= store.cold_ticks
-            if not warm.any():
-                return []
-            held = slots.blob_slots()
-            owners = slots.handle[held].astype(np.int64)
-            mine = warm[owners]
-            held, owners = held[mine], owners[mine]
-            if pressure:  # the oldest warm blobs first, then packed in slot order
-                uniq = np.unique(owners)
-                oldest = uniq[np.argsort(blobs.atime[uniq], kind="stable")][:CHUNK_PAGES]
-                keep = np.isin(owners, oldest)
-                held, owners = held[keep], owners[keep]
-            _, first = np.unique(owners, return_index=True)
-            chosen = owners[np.sort(first)][:CHUNK_PAGES].tolist()
-            slots_of: dict[int, list[int]] = {blob: [] for blob in chosen}
-            for slot, blob in zip(held.tolist(), owners.tolist()):
-                if blob in slots_of:
-                    slots_of[blob].append(slot)
+            if pressure != self._queue_pressure:
+                self._queue.clear()
+            if not self._queue:
+                self._scan(pressure)
+            chosen: list[int] = []
+            while self._queue and len(chosen) < CHUNK_PAGES:
+                blob = self._queue.popleft()
+                if self._candidate(blob, pressure):
+                    chosen.append(blob)
             pool = store.pool
-            return [
-                _Picked(blob, int(blobs.gen[blob]), slots_of[blob],
+            picked = [
+                _Picked(blob, int(blobs.gen[blob]), self._slots_of.pop(blob),
                         pool.get(int(blobs.arena[blob]), int(blobs.cell[blob]),
                                  int(blobs.length[blob])),
                         int(blobs.codec[blob]), int(blobs.csum[blob]),
                         int(blobs.atime[blob]), int(blobs.rtime[blob]))
                 for blob in chosen
             ]
+            if not self._queue:
+                self._slots_of.clear()
+            return picked
+
+    def _warm_mask(self, pressure: bool) -> np.ndarray:
+        store, blobs = self.store, self.store.blobs
+        n = blobs.capacity
+        warm = (blobs.ref[:n] > 0) & (blobs.form[:n] == WARM) & (blobs.tier[:n] == POOL)
+        if not pressure:
+            # Past the grace period, or returned: read back since written (a warm blob's read
+            # tick is set by reads only). A returned page is in RAM again; its copy is needed
+            # only if the kernel evicts the page clean (docs/ARCHITECTURE.md, "What the kernel
+            # tells the device"), so it is kept dense at once.
+            warm &= ((store.now() - blobs.atime[:n].astype(np.int64) >= store.cold_ticks)
+                     | (blobs.rtime[:n] > 0))
+        return warm
+
+    def _candidate(self, blob: int, pressure: bool) -> bool:
+        """Whether a queued blob is still one to pack (it may have gone or been read)."""
+        blobs = self.store.blobs
+        if blobs.ref[blob] == 0 or blobs.form[blob] != WARM or blobs.tier[blob] != POOL:
+            return False
+        if int(blobs.gen[blob]) != self._gen_of.get(blob, -1):
+            return False
+        return (pressure or blobs.rtime[blob] > 0
+                or self.store.now() - int(blobs.atime[blob]) >= self.store.cold_ticks)
+
+    def _scan(self, pressure: bool) -> None:
+        """The queue: every candidate blob in the order of the slots that hold them (under
+        pool pressure the oldest QUEUE_PAGES first), with those slots and generations."""
+        blobs, slots = self.store.blobs, self.store.slots
+        self._queue_pressure = pressure
+        self._slots_of.clear()
+        self._gen_of.clear()
+        warm = self._warm_mask(pressure)
+        if not warm.any():
+            return
+        held = slots.blob_slots()
+        owners = slots.handle[held].astype(np.int64)
+        mine = warm[owners]
+        held, owners = held[mine], owners[mine]
+        if pressure:  # the oldest warm blobs first, then packed in slot order
+            uniq = np.unique(owners)
+            oldest = uniq[np.argsort(blobs.atime[uniq], kind="stable")][:QUEUE_PAGES]
+            keep = np.isin(owners, oldest)
+            held, owners = held[keep], owners[keep]
+        _, first = np.unique(owners, return_index=True)
+        order = owners[np.sort(first)].tolist()
+        slots_of: dict[int, list[int]] = {blob: [] for blob in order}
+        for slot, blob in zip(held.tolist(), owners.tolist()):
+            slots_of[blob].append(slot)
+        self._slots_of = slots_of
+        self._gen_of = {blob: int(blobs.gen[blob]) for blob in order}
+        self._queue.extend(order)
 
     def _decode(self, picked: list[_Picked]) -> tuple[list[bytes], list[list[int]], list[_Picked]]:
         """The pages, the groups of positions to pack together (runs of frame_pages in slot

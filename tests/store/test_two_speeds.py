@@ -316,3 +316,31 @@ def test_packed_warm_rows_go_back_to_the_kernel():
     more = fill(st, random.Random(12), 6000, 100)  # rows above the top are handed out again
     verify(st, {**model, **more})
     st.check()
+
+
+def test_a_returned_page_is_packed_at_once_and_reads_back_until_rewritten():
+    """Read back since written ("returned"): the page is in RAM again and its copy is needed
+    only for a clean eviction, so it goes dense without waiting for the grace period; it
+    still reads its last written bytes until the kernel writes or discards the slot."""
+    clock = Clock()
+    st = make(clock, grace=3600.0)
+    rnd = random.Random(13)
+    model = fill(st, rnd, 0, 64)
+    for slot in range(16, 48):
+        assert st.read(slot * PAGE, PAGE) == model[slot]
+    s = forms_add_up(st)
+    assert s["returned_pages"] == 32 and s["recompress_backlog"] == 32
+    drain(st)
+    s = forms_add_up(st)
+    assert s["cold_pages"] == 32 and s["warm_pages"] == 32 and s["recompress_backlog"] == 0
+    assert s["returned_pages"] == 32  # packing is not a write: still returned
+    verify(st, model)  # now all 64 are returned
+    model[20] = text_page(rnd, 2020)
+    st.write(model[20], 20 * PAGE)  # the kernel writes it again: warm, not returned
+    st.trim(30 * PAGE, PAGE)  # or discards it
+    model[30] = bytes(PAGE)
+    s = forms_add_up(st)
+    assert s["warm_pages"] == 33  # the 32 never packed, and the rewritten page
+    assert s["returned_pages"] == 62  # neither the rewritten page nor the trimmed one
+    verify(st, model)
+    st.check()
