@@ -81,6 +81,7 @@ class Recompressor:
         self._slots_of: dict[int, list[int]] = {}
         self._gen_of: dict[int, int] = {}
         self._queue_pressure = False
+        self._made: set[int] = set()  # blobs this pass made (pass_once, under the lock)
 
     @property
     def enabled(self) -> bool:
@@ -137,12 +138,21 @@ class Recompressor:
                 if self._unchanged(p):
                     store.blobs.form[p.blob] = DENSE
             switched = 0
+            self._made: set[int] = set()
             for group in groups:
                 try:
                     switched += self._switch([picked[n] for n in group], group, pages,
                                              hashes, frames)
                 except (StoreFull, DiskError, CodecError):
                     break  # no room: the pages stay warm
+            # The new blobs may have taken rows at the top of the table (before the warm rows
+            # were free): moved down into those, the top empties and goes back (release_tail).
+            moved = store.objects.renumber(sorted(self._made))
+            if moved:
+                for p in picked:
+                    for slot in p.slots:
+                        old = int(store.slots.handle[slot])
+                        store.slots.handle[slot] = moved.get(old, old)
             self.pages_total += switched
             store.counters.recompressed_pages += switched
             return switched
@@ -301,11 +311,5 @@ class Recompressor:
                 slots.handle[slot], slots.sub[slot] = new, sub
                 objects.release(p.blob)
                 switched += 1
-        # The new blobs took rows at the top of the table (before the warm rows were free):
-        # moved down into those, the top empties and its pages go back (release_tail).
-        moved = objects.renumber(sorted(set(staged)))
-        for p in group:
-            for slot in p.slots:
-                old = int(slots.handle[slot])
-                slots.handle[slot] = moved.get(old, old)
+        self._made.update(staged)
         return switched
