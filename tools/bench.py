@@ -109,8 +109,8 @@ def swap_configs(with_dictionaries: bool) -> list[SwapConfig]:
     codecs side by side with zram's), and multi-page frames of 4-16 pages."""
     out = [SwapConfig("zram-lz4", "zram", "lz4"), SwapConfig("zram-lzo-rle", "zram", "lzo-rle"),
            SwapConfig("agentzip-default", "agentzip", "default"),
+           SwapConfig("agentzip-warm-lz4", "agentzip", "default", warm="lz4"),
            SwapConfig("agentzip-warm-zstd", "agentzip", "default", warm="zstd"),
-           SwapConfig("agentzip-one-speed", "agentzip", "default", warm="none"),
            SwapConfig("agentzip-rotational", "agentzip", "default", rotational=True),
            SwapConfig("agentzip-vma-readahead", "agentzip", "default", rotational=False),
            SwapConfig("agentzip-lz4", "agentzip", "lz4", 1, "none", 1),

@@ -77,6 +77,8 @@ GiB = 1 << 30
 TICK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 CONFIGS = ("noswap", "zram", "agentzip", "agentzip-tuned")
+# --set SECTION.KEY=VALUE: config keys for the agentzip configurations (compression, policy)
+EXTRA_CONFIG: dict[str, dict[str, str]] = {}
 BOUND = 1.25  # p99 round time at most this times the no-limit p99 of the same N
 KINDS = ("agent_json", "pandas", "node_text")
 
@@ -391,6 +393,8 @@ class Agentzip(NoSwap):
         with open(self.cfg, "w") as f:
             f.write(f"pool:\n  swap_out_path: {os.path.join(self.dir, 'disk-tier')}\n"
                     f"device:\n  run_dir: {self.run_dir}\nscopes: []\n")
+            for section, values in EXTRA_CONFIG.items():  # --set (the pool key not among them)
+                f.write(f"{section}:\n" + "".join(f"  {k}: {v}\n" for k, v in values.items()))
         if self.tuned:
             self._run("scope", "add", "--cgroup", self.glob)
         t = time.monotonic()
@@ -982,6 +986,9 @@ def parse_args(argv):
     ap.add_argument("--max-n", type=int, help="largest N tried (64)")
     ap.add_argument("--ns", help="quick/fixed mode: comma list of N (no search)")
     ap.add_argument("--seed", type=int)
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="a config key for agentzip-blk (compression or policy), e.g. "
+                         "compression.warm_algorithm=none; repeatable")
     ap.add_argument("--workdir", help="where the run's temporary state goes (/tmp)")
     ap.add_argument("--json", default=None, help="results/bench_density.json (quick: none)")
     ap.add_argument("--png", default=None, help="docs/density.png (quick: none)")
@@ -1010,6 +1017,14 @@ def options_from(a) -> Options:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     a = parse_args(argv)
+    for item in a.set:
+        key, sep, value = item.partition("=")
+        section, dot, name = key.partition(".")
+        if not sep or not dot or section not in ("compression", "policy"):
+            print(f"bench_density: --set {item!r}: use compression.KEY=VALUE or policy.KEY=VALUE",
+                  file=sys.stderr)
+            return 2
+        EXTRA_CONFIG.setdefault(section, {})[name] = value
     if a.from_json:
         with open(a.from_json) as f:
             doc = json.load(f)

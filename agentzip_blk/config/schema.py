@@ -48,8 +48,10 @@ class CompressionConfig:
     dedup: str = "on"
     # The fast codec a page is stored with alone when the kernel writes it (the warm form:
     # a fault decodes one page); the recompressor packs it into frames of `algorithm` once
-    # nobody read it for policy.cold_grace_period. none: frames at once (one speed).
-    warm_algorithm: str = "lz4"
+    # nobody read it for policy.cold_grace_period. none: frames at once (one speed), the
+    # default while packing costs more CPU than 2 shared vCPUs have under sustained swap:
+    # lz4 halves the fault but lost the density benchmark (BENCHMARKS.md, "Two speeds").
+    warm_algorithm: str = "none"
 
 
 WARM_ALGORITHMS = ("lz4", "zstd", "none")  # zstd warm: level 1, no dictionary

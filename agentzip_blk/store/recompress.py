@@ -138,7 +138,7 @@ class Recompressor:
                 if self._unchanged(p):
                     store.blobs.form[p.blob] = DENSE
             switched = 0
-            self._made: set[int] = set()
+            self._made = set()
             for group in groups:
                 try:
                     switched += self._switch([picked[n] for n in group], group, pages,

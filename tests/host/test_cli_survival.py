@@ -45,7 +45,7 @@ class Operator:
     """One run dir and config; every CLI call a separate process, as a shell would make it."""
 
     def __init__(self, root: Path, pool: dict | None = None, policy: dict | None = None,
-                 frontend: str = "auto"):
+                 frontend: str = "auto", compression: dict | None = None):
         self.root = root
         self.run_dir = str(root / "run")
         self.config = str(root / "config.yaml")
@@ -53,6 +53,8 @@ class Operator:
                "pool": {"swap_out_path": str(root / "tier"), **(pool or {})}}
         if policy:
             cfg["policy"] = policy
+        if compression:
+            cfg["compression"] = compression
         with open(self.config, "w") as f:
             yaml.safe_dump(cfg, f)
         self.workloads: list[Workload] = []
@@ -293,7 +295,7 @@ def test_warm_pages_are_packed_cold_over_the_cli(operator):
     """Two speeds, as an operator sees them: pages arrive warm (lz4, one page each), the
     backlog drains once the grace period is over, the ratio rises, and every page of the
     workload comes back exact."""
-    op = operator(policy={"cold_grace_period": "10s"})
+    op = operator(policy={"cold_grace_period": "10s"}, compression={"warm_algorithm": "lz4"})
     op.run("up")
     wl = op.workload("speeds", mb=160)
     assert op.squeeze(wl) >= 64 * MiB
