@@ -74,6 +74,9 @@ class Recompressor:
         self._next_pass = 0.0  # wall time before which the budget says rest
         self.pages_total = 0  # warm slots switched to the dense form
         self.cpu_seconds = 0.0
+        # the last pass's CPU: run() rests after a pass, not before, so over any stretch the
+        # CPU spent is at most budget x wall time plus (1 - budget) x this
+        self.last_pass_cpu = 0.0
         self.raced = 0  # groups left as they were: changed while being packed
         # candidates found by the last scan, in slot order, with the slots and generation
         # each had then (checked again at the pick and at the switch)
@@ -112,6 +115,7 @@ class Recompressor:
             done = self.pass_once(pressure)
             spent = self._cpu_clock() - started
             self.cpu_seconds += spent
+            self.last_pass_cpu = spent
             self._next_pass = self._wall() + spent * (1 / self.cpu_budget - 1)
             packed += done
             if not done or self._wall() >= deadline:
