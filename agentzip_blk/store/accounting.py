@@ -121,14 +121,15 @@ def stats(store: PageStore) -> dict:
             },
         },
         "temperature": _temperature(store, slot_blobs),
-        **_forms(store, slot_blobs, live, lengths),
+        **_forms(store, held, slot_blobs, live, lengths),
         **asdict(store.counters),
     }
 
 
-def _forms(store: PageStore, slot_blobs: np.ndarray, live: np.ndarray,
+def _forms(store: PageStore, held: np.ndarray, slot_blobs: np.ndarray, live: np.ndarray,
            lengths: np.ndarray) -> dict:
-    """Pages and stored bytes of each form (docs/JSON.md): warm (alone, fast codec) and cold
+    """Pages and stored bytes of each form (docs/JSON.md), from the slots holding blobs
+    (`held`, their blobs `slot_blobs`): warm (alone, fast codec) and cold
     (dense) in the pool, on disk, same-filled; they add up to `pages`. Stored bytes are the
     blobs' compressed lengths (a shared blob once)."""
     blobs, page = store.blobs, store.page_size
@@ -152,7 +153,7 @@ def _forms(store: PageStore, slot_blobs: np.ndarray, live: np.ndarray,
         "disk_pages": len(slot_blobs) - pool_pages,
         # read back and not written since: the kernel may still need them (swap cache, a
         # clean eviction) or may have freed their slots without telling the device
-        "returned_pages": int(np.count_nonzero(store.slots.rtime[store.slots.blob_slots()])),
+        "returned_pages": int(np.count_nonzero(store.slots.rtime[held])),
         "recompress_backlog": recompressor.backlog(),
         "recompressed_pages_total": store.counters.recompressed_pages,
         "recompress_cpu_seconds_total": round(recompressor.cpu_seconds, 6),

@@ -159,18 +159,18 @@ class BlobTable:
         which must keep counting: a row reused with an old generation would pass the
         checks of stale readers and the disk tier's sealing). Returns rows released."""
         used = self._next_unused
-        free = np.flatnonzero(self.ref[:used] == 0)
-        if not len(free):
-            return 0
+        if self.count == used:
+            return 0  # no free row
         live_top = int(np.flatnonzero(self.ref[:used])[-1]) + 1 if self.count else 0
-        released = 0
-        if used - live_top >= TAIL_RELEASE_ROWS:
+        released = used - live_top  # every row above the last live one is free
+        if released >= TAIL_RELEASE_ROWS:
             for name in _COLUMNS:
                 if name != "gen":
                     tables.release_from(getattr(self, name), live_top)
             tables.release_from(self.members, live_top)
             self._next_unused = live_top
-            released = len(free) - int(np.count_nonzero(free < live_top))
+        else:
+            released = 0
         self._relink()
         return released
 

@@ -189,12 +189,12 @@ class Objects:
             self.disk.free(int(blobs.disk_off[blob]), int(blobs.length[blob]))
         blobs.delete(blob)
 
-    def renumber(self, blobs_: list[int]) -> dict[int, int]:
+    def renumber(self, ids: list[int]) -> dict[int, int]:
         """Pool blobs no request has seen yet (the recompressor's new frames) moved to lower
         free rows (BlobTable.move_down), their dedup entries with them; returns {old: new}
         for those moved. Disk blobs stay: their extents are sealed to their id."""
         blobs = self.blobs
-        moved = blobs.move_down([b for b in blobs_ if blobs.tier[b] == POOL])
+        moved = blobs.move_down([b for b in ids if blobs.tier[b] == POOL])
         for old, new in moved.items():
             for sub in range(int(blobs.pages[new])):
                 key = int(blobs.members[new, sub])

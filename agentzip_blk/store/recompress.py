@@ -84,7 +84,6 @@ class Recompressor:
         self._slots_of: dict[int, list[int]] = {}
         self._gen_of: dict[int, int] = {}
         self._queue_pressure = False
-        self._made: set[int] = set()  # blobs this pass made (pass_once, under the lock)
 
     @property
     def enabled(self) -> bool:
@@ -142,16 +141,16 @@ class Recompressor:
                 if self._unchanged(p):
                     store.blobs.form[p.blob] = DENSE
             switched = 0
-            self._made = set()
+            made: set[int] = set()  # the blobs this pass stores
             for group in groups:
                 try:
                     switched += self._switch([picked[n] for n in group], group, pages,
-                                             hashes, frames)
+                                             hashes, frames, made)
                 except (StoreFull, DiskError, CodecError):
                     break  # no room: the pages stay warm
             # The new blobs may have taken rows at the top of the table (before the warm rows
             # were free): moved down into those, the top empties and goes back (release_tail).
-            moved = store.objects.renumber(sorted(self._made))
+            moved = store.objects.renumber(sorted(made))
             if moved:
                 for p in picked:
                     for slot in p.slots:
@@ -286,8 +285,9 @@ class Recompressor:
         return len(still) == len(p.slots) == int(blobs.ref[p.blob])
 
     def _switch(self, group: list[_Picked], positions: list[int], pages: list[bytes],
-                hashes: list[tuple[int, int]], frames: dict) -> int:
-        """Under the store lock: the group's slots moved to their new dense blob(s)."""
+                hashes: list[tuple[int, int]], frames: dict, made: set[int]) -> int:
+        """Under the store lock: the group's slots moved to their new dense blob(s), which
+        are added to `made`."""
         if not all(self._unchanged(p) for p in group):
             self.raced += 1
             return 0
@@ -315,5 +315,5 @@ class Recompressor:
                 slots.handle[slot], slots.sub[slot] = new, sub
                 objects.release(p.blob)
                 switched += 1
-        self._made.update(staged)
+        made.update(staged)
         return switched
