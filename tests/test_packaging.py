@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from agentzip_blk.datapath import native
+
 ROOT = Path(__file__).resolve().parents[1]
 # import name -> distribution name, for the packages whose names differ
 DISTRIBUTION = {"yaml": "pyyaml", "ruamel": "ruamel.yaml", "prometheus_client": "prometheus-client"}
@@ -122,3 +124,9 @@ def test_the_installed_wheel_runs_without_the_tree(wheel, tmp_path):
     res = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.skipif(not all(os.path.exists(h) for h in ("/usr/include/lz4.h", "/usr/include/xxhash.h")),
+                    reason="liblz4-dev / libxxhash-dev missing")
+def test_the_extension_is_built_where_its_headers_are():
+    assert native.available(), native.MISSING

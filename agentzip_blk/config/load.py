@@ -24,7 +24,7 @@ import yaml
 from ..errors import ConfigError
 from .dropins import Sources, dropin_dir, dropin_files, merge, normalized_key
 from .quantities import decimal_hint, format_bytes, parse_duration, parse_size
-from .schema import (ALGORITHMS, DEDUP_MODES, DEFAULT_CONFIG_PATH, DICTIONARY_MODES, FRONTENDS,
+from .schema import (ALGORITHMS, DATAPATHS, DEDUP_MODES, DEFAULT_CONFIG_PATH, DICTIONARY_MODES, FRONTENDS,
                      KEY_ALIASES,
                      LEVEL_RANGES,
                      MAX_DEVICE_SIZE, MAX_FRAME_PAGES, MIN_SIZE, SUPPORTED_PAGE_SIZE, SWAP_PRIORITY_RANGE,
@@ -276,6 +276,7 @@ def _parse_device(value: Any) -> DeviceConfig:
         run_dir=_abs_path(data.get("run_dir", d.run_dir), "device.run_dir"),
         rotational=_bool(data.get("rotational", d.rotational), "device.rotational"),
         frontend=_frontend(data.get("frontend", d.frontend)),
+        datapath=_choice(data.get("datapath", d.datapath), "device.datapath", DATAPATHS),
         control_group=_group(data.get("control_group", d.control_group), "device.control_group"),
     )
 
@@ -295,6 +296,12 @@ def _group(value: Any, key: str) -> str | None:
     except KeyError:
         raise ConfigError(f"{key}: no group {value!r} on this host (getent group {value}); "
                           f"create it or set null for root only") from None
+    return value
+
+
+def _choice(value: Any, key: str, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ConfigError(f"{key}: {value!r} is not one of {' | '.join(choices)}")
     return value
 
 

@@ -104,6 +104,10 @@ class DeviceConfig:
     # served by FUSE from the server process itself ("fuse"), or by nbdfuse over NBD
     # ("nbdfuse", the old chain, kept for comparison). auto: nbd where /dev/nbd0 exists.
     frontend: str = "auto"
+    # Who answers the FUSE front door's reads of warm pages: the C extension's threads
+    # without the GIL ("native", docs/ARCHITECTURE.md "The native request path"), or Python
+    # ("python", the reference). auto: native where the extension was built.
+    datapath: str = "auto"
     # A group whose members may use the read-only control verbs on control.sock
     # (datapath.server.READ_ONLY_VERBS), e.g. a metrics exporter that is not root.
     # None: root only. nbd.sock stays root's alone whatever this says.
@@ -111,6 +115,7 @@ class DeviceConfig:
 
 
 FRONTENDS = ("auto", "fuse", "nbdfuse", "nbd")
+DATAPATHS = ("auto", "native", "python")
 
 
 def default_scopes() -> list[Scope]:

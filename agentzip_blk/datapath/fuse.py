@@ -103,6 +103,13 @@ class FuseError(OSError):
     """Mounting or serving failed."""
 
 
+class NativeServe(Protocol):
+    """The native request path's loop (datapath.native.NativePath.serve)."""
+
+    def serve(self, fd: int, rbuf, wbuf) -> int: ...
+    def counters(self) -> dict: ...
+
+
 class Backend(Protocol):
     """What the front door serves: the store's request interface."""
 
@@ -185,7 +192,7 @@ class FuseFile:
                  errno_of: Callable[[BaseException], int] = default_errno,
                  observe_read: Callable[[float], None] | None = None,
                  observe_write: Callable[[float], None] | None = None,
-                 direct_io: bool = True) -> None:
+                 direct_io: bool = True, native: NativeServe | None = None) -> None:
         if size <= 0 or size % PAGE:
             raise ValueError(f"size {size} is not a positive multiple of {PAGE}")
         if "/" in name or name in ("", ".", ".."):
@@ -201,6 +208,8 @@ class FuseFile:
         self.observe_read = observe_read
         self.observe_write = observe_write
         self.open_flags = FOPEN_DIRECT_IO if direct_io else 0
+        # datapath.native.NativePath: reads requests itself and hands up what it does not serve
+        self.native = native
         self.stats = FuseStats()
         self._stats_lock = threading.Lock()  # workers count concurrently
         self._fd: int | None = None
@@ -284,9 +293,17 @@ class FuseFile:
         rview = memoryview(rbuf)
         wbuf = bytearray(OUT_HEADER.size + MAX_IO)
         wview = memoryview(wbuf)
+        native = self.native
         while True:
             try:
-                n = os.readv(fd, [rbuf])
+                if native is None:
+                    n = os.readv(fd, [rbuf])
+                else:
+                    n = native.serve(fd, rbuf, wbuf)
+                    if n < 0:
+                        raise OSError(-n, os.strerror(-n))
+                    if n == 0:  # end of file: not /dev/fuse, which never returns 0
+                        return
             except OSError as e:
                 if e.errno == errno.ENODEV:  # unmounted: the connection is gone
                     return
@@ -499,13 +516,15 @@ class FuseFile:
 DEFAULT_THREADS = 4  # >1 so that a request's store call overlaps the next one's syscalls
 
 
-def serve_server(server, mountpoint: str, threads: int = DEFAULT_THREADS) -> FuseFile:
+def serve_server(server, mountpoint: str, threads: int = DEFAULT_THREADS,
+                 native: NativeServe | None = None) -> FuseFile:
     """Mount ``mountpoint``/device and serve it from ``server.store`` (agentzip_blk.server):
-    the same store, latency histograms and per-thread protection as the NBD requests."""
+    the same store, latency histograms and per-thread protection as the NBD requests;
+    ``native``: the native path answers the reads it can (datapath.native)."""
     door = FuseFile(mountpoint, server.size, server.store, threads=threads,
                     on_thread=server.on_request_thread,
                     observe_read=server.latency.read.observe,
-                    observe_write=server.latency.write.observe)
+                    observe_write=server.latency.write.observe, native=native)
     door.start()
     return door
 
@@ -515,6 +534,7 @@ def describe(door: FuseFile | None) -> dict | None:
     if door is None:
         return None
     s = door.stats
+    native_reads = door.native.counters()["reads"] if door.native is not None else 0
     return {"file": door.path, "alive": door.alive, "threads": len(s.threads),
-            "reads": s.reads, "writes": s.writes, "trims": s.trims, "errors": s.errors,
+            "reads": s.reads + native_reads, "writes": s.writes, "trims": s.trims, "errors": s.errors,
             "last_error": s.last_error, "kernel_minor": s.kernel_minor}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from bisect import bisect_left
+from collections.abc import Callable
 
 # Upper bounds in seconds. A 4 KiB read from the pool is ~20 us, a 1.25 MiB write with zstd
 # a few ms, a disk-tier read tens of us to ms: 10 us .. 1 s covers swap-in and swap-out.
@@ -27,12 +28,14 @@ BUCKETS: tuple[float, ...] = (
 
 
 class Histogram:
-    __slots__ = ("counts", "sum", "_lock")
+    __slots__ = ("counts", "sum", "_lock", "sources")
 
     def __init__(self) -> None:
         self.counts = [0] * (len(BUCKETS) + 1)  # last: above the largest bound (+Inf)
         self.sum = 0.0
         self._lock = threading.Lock()
+        # requests timed elsewhere, in the same buckets (the native path): () -> (counts, sum)
+        self.sources: list[Callable[[], tuple[list[int], float]]] = []
 
     def observe(self, seconds: float) -> None:
         # bisect_left: a value equal to a bound falls in that bucket (Prometheus "le")
@@ -43,7 +46,12 @@ class Histogram:
 
     def snapshot(self) -> dict:
         counts = list(self.counts)
-        return {"counts": counts, "count": sum(counts), "sum_s": self.sum}
+        total = self.sum
+        for source in self.sources:
+            more, seconds = source()
+            counts = [a + b for a, b in zip(counts, more)]
+            total += seconds
+        return {"counts": counts, "count": sum(counts), "sum_s": total}
 
 
 class Latency:

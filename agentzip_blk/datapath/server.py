@@ -21,7 +21,7 @@ from ..config import Config, load_config
 from ..config.quantities import parse_size
 from ..store import PageStore
 from ..store.tiering import Maintainer
-from . import latency, protect
+from . import latency, native, protect
 from .control import ControlServer
 from .guard import SignalGuard
 
@@ -75,6 +75,10 @@ class Server:
         self.control: ControlServer | None = None
         self.maintainer: Maintainer | None = None
         self.fuse = None  # datapath.fuse.FuseFile when the fuse= key is given
+        # who answers the FUSE door's warm reads (datapath.native); NBD requests are Python's
+        self.datapath: native.Choice = (native.choose(config.device.datapath) if options.fuse
+                                        else native.Choice("python", "the NBD door"))
+        self.native: native.NativePath | None = None
         self.protection = Protection()
         self.latency = latency.Latency()  # pread/pwrite/trim/zero time themselves into it
         self.started = time.time()
@@ -103,7 +107,8 @@ class Server:
         self.protection.memory_locked = protect.lock_memory()
         self.protection.oom_score = protect.lower_oom_score()
         self.protection.io_flusher = protect.set_io_flusher()
-        self.store = PageStore.from_config(self.size, self.config)
+        self.store = PageStore.from_config(self.size, self.config,
+                                           lock=native.make_lock(self.datapath))
         self.maintainer = Maintainer(self.store)
         self.maintainer.start()
         if self.options.control:
@@ -119,11 +124,16 @@ class Server:
         from . import fuse
 
         threads = self.options.fuse_threads or fuse.DEFAULT_THREADS
-        self.fuse = fuse.serve_server(self, self.options.fuse, threads)
+        if self.datapath.path == "native":
+            self.native = native.NativePath(self.store)
+            self.latency.read.sources.append(self.native.latency)
+        self.fuse = fuse.serve_server(self, self.options.fuse, threads, self.native)
 
     def stop(self) -> None:
         if self.fuse is not None:
             self.fuse.stop()  # unmounts (lazily if the loop device still holds it)
+        if self.native is not None:
+            self.native.close()
         if self.control is not None:
             self.control.stop()
         if self.maintainer is not None:
@@ -261,6 +271,7 @@ class Server:
             "maintenance_rounds": self.maintainer.rounds if self.maintainer else 0,
             "maintenance_error": self.maintainer.last_error if self.maintainer else None,
             "control_refused": self.control.refused if self.control else 0,
+            "datapath": self._datapath(),
         }
         if self.fuse is not None:
             from . import fuse
@@ -268,6 +279,16 @@ class Server:
             stats["server"]["fuse"] = fuse.describe(self.fuse)
         self._stats_reply = (stats, age, time.monotonic())
         return stats
+
+
+    def _datapath(self) -> dict:
+        """Which request path serves, why, and what the native one served."""
+        out = {"path": self.datapath.path, "reason": self.datapath.reason}
+        if self.native is not None:
+            counters = self.native.counters()
+            for key in ("reads", "pages_read", "bytes_read", "handed_up", "reply_errors"):
+                out[f"native_{key}"] = counters[key]
+        return out
 
 
 def _aged(reply: dict, age: float, max_age: float) -> dict:

@@ -122,8 +122,18 @@ def stats(store: PageStore) -> dict:
         },
         "temperature": _temperature(store, slot_blobs),
         **_forms(store, held, slot_blobs, live, lengths),
-        **asdict(store.counters),
+        **_counters(store),
     }
+
+
+def _counters(store: PageStore) -> dict:
+    """The request counters, with the reads another request path served from the same
+    tables (the native path: PageStore.outside)."""
+    counters = asdict(store.counters)
+    outside = store.outside()
+    counters["reads"] += outside.get("reads", 0)
+    counters["bytes_read"] += outside.get("bytes_read", 0)
+    return counters
 
 
 def _forms(store: PageStore, held: np.ndarray, slot_blobs: np.ndarray, live: np.ndarray,

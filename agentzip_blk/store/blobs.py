@@ -11,6 +11,8 @@ index key finds candidates, the bytes decide (placement.Placer.lookup).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from ..errors import StoreFull
@@ -56,6 +58,9 @@ TAIL_RELEASE_ROWS = 4096
 
 class BlobTable:
     def __init__(self, capacity: int = 1024, frame_pages: int = 1) -> None:
+        # runs when the columns are replaced (growth): the native request path reads them
+        # by address (datapath.native)
+        self.on_moved: Callable[[], None] = lambda: None
         self.capacity = 0
         self.frame_pages = frame_pages
         for name, dtype in _COLUMNS.items():
@@ -210,6 +215,7 @@ class BlobTable:
             new[: len(old)] = old
             setattr(self, name, new)
         self.capacity = capacity
+        self.on_moved()
         return True
 
     def _grow(self, capacity: int) -> None:
@@ -224,3 +230,4 @@ class BlobTable:
         members[: len(self.members)] = self.members
         self.members = members
         self.capacity = capacity
+        self.on_moved()

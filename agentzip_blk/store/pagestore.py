@@ -26,6 +26,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
+from typing import ContextManager, TypeAlias
 
 import numpy as np
 
@@ -45,6 +46,9 @@ from .pool import Pool
 from .slots import BLOB, EMPTY, SAME, TICK_MASK, SlotTable
 from .recompress import Recompressor
 from .tiering import DEMOTE_CHUNK, REWRITE_CHUNK, Tiering, Tiers
+
+# threading.Lock, or the native path's StoreLock (datapath.nativeloop), which behaves the same
+StoreLock: TypeAlias = ContextManager
 
 TICKS_PER_SECOND = 100  # 10 ms ticks: uint32 lasts 497 days, then ticks are rebased
 _TICK_REBASE = 1 << 31
@@ -94,6 +98,7 @@ class PageStore:
         dedup: bool = True,
         hasher: HashFn | None = None,
         warm_algorithm: str = "none",
+        lock: StoreLock | None = None,
     ) -> None:
         if page_size != 4096:
             raise ValueError("only 4096-byte pages are supported")
@@ -143,7 +148,15 @@ class PageStore:
         self.objects = Objects(self.blobs, self.index, self.pool, self.disk, self.codecs,
                                self.hot, frames, self.counters, page_size)
         self._zero_page = bytes(page_size)
-        self.lock = threading.Lock()
+        # The one lock of the store's books; the native request path (datapath.native)
+        # passes its own, which its threads take without the GIL.
+        self.lock: StoreLock = lock if lock is not None else threading.Lock()
+        # Reads served from these tables by another request path (the native one):
+        # {"reads", "bytes_read", "in_flight"}, for the stats and the recompressor.
+        self.outside: Callable[[], dict[str, int]] = dict
+        # Runs under the lock when a table the native path reads by address is replaced.
+        self.on_tables_moved: Callable[[], None] = lambda: None
+        self.blobs.on_moved = self.pool.on_moved = self._tables_moved
         self._clock = clock
         self._t0 = clock()
         self._tick_base = 0
@@ -195,7 +208,39 @@ class PageStore:
 
     def requests_in_flight(self) -> int:
         """Requests between their start and their end (a moment's view, lock-free)."""
-        return max(0, self._started_n - self._finished_n)
+        outside = self.outside().get("in_flight", 0)
+        return max(0, self._started_n - self._finished_n) + outside
+
+    def _tables_moved(self) -> None:
+        self.on_tables_moved()
+
+    def columns(self) -> dict[str, np.ndarray]:
+        """Under the lock: the table columns a request path outside Python reads and
+        writes by address (datapath.native): valid until `on_tables_moved` runs."""
+        blobs, pool = self.blobs, self.pool
+        return {
+            "kind": self.slots.kind, "handle": self.slots.handle, "slot_rtime": self.slots.rtime,
+            "arena": blobs.arena, "cell": blobs.cell, "tier": blobs.tier,
+            "length": blobs.length, "pages": blobs.pages, "codec": blobs.codec,
+            "dict_id": blobs.dict_id, "ref": blobs.ref, "atime": blobs.atime,
+            "rtime": blobs.rtime, "csum": blobs.csum,
+            "arena_addr": pool.arena_addr, "arena_class": pool.arena_classes(),
+            "class_cell": pool.class_cell,
+        }
+
+    @property
+    def tick_base(self) -> int:
+        """What `now` subtracts (moved by a rebase, which calls on_tables_moved)."""
+        return self._tick_base
+
+    @property
+    def clock_origin(self) -> float:
+        """The clock reading of tick 1 (`now`)."""
+        return self._t0
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self._clock
 
     def _begin(self) -> None:
         self._started_n = next(self._started) + 1
@@ -332,6 +377,7 @@ class PageStore:
         for times in (self.blobs.atime, self.blobs.rtime):
             times[:] = np.maximum(times.astype(np.int64) - shift, 0).astype(np.uint32)
         self._tick_base += shift
+        self._tables_moved()
 
     # -- ranges ----------------------------------------------------------------------
 

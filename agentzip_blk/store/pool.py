@@ -15,7 +15,9 @@ per arena is its mmap.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import mmap
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +31,16 @@ _MAX_ARENA_PAGES = 16
 _NO_CLASS = -1  # the class of an arena id not in use
 _NO_CELL = 0xFFFFFFFF
 LARGE_CLASS_GROWTH = 32  # classes above MAX_COMPRESSED grow by 1/32
+
+
+def _address(arena: mmap.mmap) -> int:
+    """An arena's address. The ctypes view is dropped at once: an exported mmap could not
+    be closed, and the address stays valid until the arena is (under the store lock)."""
+    view = ctypes.c_char.from_buffer(arena)
+    try:
+        return ctypes.addressof(view)
+    finally:
+        del view
 
 
 class PoolFull(Exception):
@@ -96,6 +108,11 @@ class Pool:
         self._a_used = np.zeros(cap, dtype=np.int32)
         self._a_free_head = np.zeros(cap, dtype=np.uint32)  # intrusive free list head
         self._a_bump = np.zeros(cap, dtype=np.uint32)  # cells never handed out start here
+        # Each arena's address (0: none), for the native request path, which reads cells
+        # without Python (datapath.native); `on_moved` runs when these arrays are replaced.
+        self.arena_addr = np.zeros(cap, dtype=np.uint64)
+        self.class_cell = np.array([c.cell_size for c in self.classes], dtype=np.uint32)
+        self.on_moved: Callable[[], None] = lambda: None
         self._evacuating: set[int] = set()  # arenas being emptied by compaction
         self.allocated_bytes = 0  # arenas as mapped (what the cap limits)
         # Pages of arenas ever touched: cells are handed out from the start of an arena (free
@@ -176,6 +193,7 @@ class Pool:
             if arena_id >= len(self._a_class):
                 self._grow(arena_id + 1)
         self._a_class[arena_id] = cls.index
+        self.arena_addr[arena_id] = _address(arena)
         self._a_used[arena_id] = 0
         self._a_free_head[arena_id] = _NO_CELL
         self._a_bump[arena_id] = 0
@@ -187,6 +205,7 @@ class Pool:
         self._partial[cls.index].pop(arena_id, None)
         arena = self._arenas[arena_id]
         self._arenas[arena_id] = None
+        self.arena_addr[arena_id] = 0
         arena.close()
         self._a_used[arena_id] = 0
         self._a_class[arena_id] = _NO_CLASS
@@ -201,11 +220,12 @@ class Pool:
 
     def _grow(self, needed: int) -> None:
         cap = max(needed, 2 * len(self._a_class))
-        for name in ("_a_class", "_a_used", "_a_free_head", "_a_bump"):
+        for name in ("_a_class", "_a_used", "_a_free_head", "_a_bump", "arena_addr"):
             old = getattr(self, name)
             new = np.full(cap, _NO_CLASS if name == "_a_class" else 0, dtype=old.dtype)
             new[: len(old)] = old
             setattr(self, name, new)
+        self.on_moved()
 
     # -- compaction ------------------------------------------------------------------
 
@@ -260,6 +280,10 @@ class Pool:
 
     # -- accounting ------------------------------------------------------------------
 
+    def arena_classes(self) -> np.ndarray:
+        """Each arena id's size class (-1: no arena), the array itself."""
+        return self._a_class
+
     @property
     def arena_count(self) -> int:
         return len(self._arenas) - len(self._free_ids)
@@ -267,7 +291,8 @@ class Pool:
     def meta_bytes(self) -> int:
         """Bookkeeping held for the arenas: numpy arrays, id lists, mmap objects."""
         arrays = sum(
-            a.nbytes for a in (self._a_class, self._a_used, self._a_free_head, self._a_bump)
+            a.nbytes for a in (self._a_class, self._a_used, self._a_free_head, self._a_bump,
+                               self.arena_addr)
         )
         # List slots are 8 bytes; a dict entry with its index is ~40 bytes.
         pointers = 8 * (len(self._arenas) + len(self._free_ids))

@@ -156,6 +156,7 @@ def valid_configs(draw):
             "run_dir": "/run/" + draw(st.from_regex(r"[a-z]{1,8}", fullmatch=True)),
             "rotational": draw(st.booleans()),
             "frontend": draw(st.sampled_from(["auto", "fuse", "nbdfuse", "nbd"])),
+            "datapath": draw(st.sampled_from(["auto", "native", "python"])),
             "control_group": draw(st.sampled_from([None, "root"])),
         },
     }
@@ -533,3 +534,9 @@ def test_unit_pages_is_the_old_name_of_frame_pages(tmp_path):
 def test_device_frontend_must_be_known(value):
     with pytest.raises(ConfigError, match="device.frontend"):
         parse_config({"device": {"frontend": value}})
+
+
+@pytest.mark.parametrize("value", ["", "c", "NATIVE", 1, None, ["native"]])
+def test_device_datapath_must_be_known(value):
+    with pytest.raises(ConfigError, match=r"device\.datapath: .* is not one of auto \| native \| python"):
+        parse_config({"device": {"datapath": value}})

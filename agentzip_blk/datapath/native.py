@@ -1,0 +1,104 @@
+"""The native request path: the C extension (`nativeloop.c`) and how the server uses it.
+
+docs/ARCHITECTURE.md, "The native request path", says what it serves and how it shares the
+store's tables. This module decides whether it runs (`device.datapath`), builds the lock
+the store uses, binds the tables and keeps the binding current, and reports what it did.
+Where the extension was not built, `device.datapath: auto` serves every request in Python
+and `native` is refused with one line saying why.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from ..store import PageStore
+from ..store import integrity
+from .latency import BUCKETS
+
+try:
+    from . import nativeloop
+except ImportError as exc:  # not built (no compiler or headers at install time)
+    nativeloop = None
+    MISSING = f"the native request path is not built ({exc})"
+else:
+    MISSING = ""
+
+
+class NativeUnavailable(RuntimeError):
+    """`device.datapath: native` where the extension is missing, or the store cannot use it."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Which request path serves, and why (for `doctor`, `status` and the log)."""
+    path: str  # "native" or "python"
+    reason: str
+
+
+def available() -> bool:
+    return nativeloop is not None
+
+
+def choose(setting: str) -> Choice:
+    """The path for `device.datapath`; NativeUnavailable for `native` without the extension."""
+    if setting == "python":
+        return Choice("python", "device.datapath: python")
+    if nativeloop is None:
+        if setting == "native":
+            raise NativeUnavailable(f"device.datapath: native, but {MISSING}; rebuild the "
+                                    f"package (./setup.sh) or set device.datapath: python")
+        return Choice("python", MISSING)
+    return Choice("native", f"device.datapath: {setting}")
+
+
+def make_lock(choice: Choice):
+    """The store's lock: the extension's mutex for the native path, else threading.Lock."""
+    if choice.path == "native":
+        return nativeloop.StoreLock()
+    return threading.Lock()
+
+
+class NativePath:
+    """The extension's worker loop bound to one store (whose lock is a StoreLock)."""
+
+    def __init__(self, store: PageStore) -> None:
+        if nativeloop is None:
+            raise NativeUnavailable(MISSING)
+        if not isinstance(store.lock, nativeloop.StoreLock):
+            raise NativeUnavailable("the store was not built with the native path's lock")
+        if store.clock is not time.monotonic:
+            # the extension reads CLOCK_MONOTONIC, which is what time.monotonic reads
+            raise NativeUnavailable("the store's clock is not time.monotonic")
+        self.store = store
+        self._path = nativeloop.Path(store.lock, store.size, store.clock_origin, list(BUCKETS),
+                                  integrity.CHECKSUMS)
+        with store.lock:
+            store.on_tables_moved = self._bind
+            store.outside = self.counters
+            self._bind()
+
+    def _bind(self) -> None:
+        """Under the store lock: the tables' current addresses and tick base."""
+        self._path.bind(self.store.columns(), self.store.tick_base)
+
+    def close(self) -> None:
+        """Stop serving from the tables (every request is handed up from now on)."""
+        with self.store.lock:
+            self._path.unbind()
+            self.store.on_tables_moved = lambda: None
+
+    def serve(self, fd: int, rbuf, wbuf) -> int:
+        """Serve requests from `fd` until one needs Python: its length (it is in `rbuf`),
+        0 at end of file, or -errno when read(2) failed."""
+        return self._path.serve(fd, rbuf, wbuf)
+
+    def counters(self) -> dict:
+        """reads, pages_read, bytes_read, handed_up, in_flight, reply_errors, latency."""
+        return self._path.counters()
+
+    def latency(self) -> tuple[list[int], float]:
+        """The native reads' latency histogram (latency.BUCKETS) and its sum in seconds."""
+        c = self._path.counters()
+        return c["latency_counts"], c["latency_sum_s"]

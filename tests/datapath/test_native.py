@@ -1,0 +1,330 @@
+"""The native request path (datapath.native, datapath/nativeloop.c) against the Python path.
+
+- every read it answers is byte for byte the Python path's answer and the model's, over
+  stores holding every kind of slot (empty, zero, same-filled, warm lz4 and raw, dense
+  frames, disk blobs, trimmed); what it cannot serve it hands up unchanged;
+- malformed and hostile requests (hypothesis): each is answered once or handed up intact,
+  and the loop never writes outside its buffers (the ASan build in CI runs this too);
+- native reads interleaved with Python writes, recompression, compaction and demotion:
+  every page exact, then store.check();
+- the lock: Python and native threads exclude each other.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import struct
+import threading
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agentzip_blk.datapath import native
+from agentzip_blk.store.tiering import Tiering
+
+from nativeharness import (IN_HEADER, MAX_REPLY, OUT_HEADER, READ, NativeReads, PerThread,
+                           native_store, read_request)
+
+PAGE = 4096
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=native.MISSING or "built")
+
+
+def text_page(rnd: random.Random, salt: int) -> bytes:
+    words = [b"tool_call", b"arguments", b'{"role": "user"}', b"%d" % salt,
+             b"%d" % rnd.randrange(99999)]
+    return b" ".join(rnd.choice(words) for _ in range(PAGE // 6))[:PAGE].ljust(PAGE, b".")
+
+
+def noise_page(rnd: random.Random) -> bytes:
+    return rnd.randbytes(PAGE)  # stored raw: compression does not pay
+
+
+def fill_mixed(store, rnd: random.Random, pages: int) -> bytearray:
+    """Every kind of slot, in runs: text (warm lz4), noise (raw), zero, same-filled, empty."""
+    model = bytearray(pages * PAGE)
+    slot = 0
+    while slot < pages:
+        n = min(rnd.randint(1, 12), pages - slot)
+        kind = rnd.random()
+        if kind < 0.5:
+            data = b"".join(text_page(rnd, slot + k) for k in range(n))
+        elif kind < 0.65:
+            data = b"".join(noise_page(rnd) for _ in range(n))
+        elif kind < 0.75:
+            data = bytes(n * PAGE)
+        elif kind < 0.85:
+            data = struct.pack("<Q", rnd.getrandbits(64)) * (n * PAGE // 8)
+        else:
+            slot += n  # left empty
+            continue
+        store.write(data, slot * PAGE)
+        model[slot * PAGE:(slot + n) * PAGE] = data
+        slot += n
+    return model
+
+
+@pytest.fixture
+def served():
+    made = []
+
+    def make(**kw):
+        store = native_store(**kw)
+        path = native.NativePath(store)
+        reads = NativeReads(store, path)
+        made.append((store, path, reads))
+        return store, path, reads
+
+    yield make
+    for store, path, reads in made:
+        reads.close()
+        path.close()
+
+
+def test_native_reads_match_the_python_path_and_the_model(served):
+    store, path, reads = served(warm_algorithm="lz4", frame_pages=16)
+    rnd = random.Random(7)
+    pages = 2048
+    model = fill_mixed(store, rnd, pages)
+    for _ in range(1500):
+        first = rnd.randrange(pages)
+        n = min(rnd.choice([1, 1, 1, 2, 4, 8, 16]), pages - first)
+        got = reads.read(first * PAGE, n * PAGE)
+        assert got == model[first * PAGE:(first + n) * PAGE], (first, n)
+        assert got == store.read(first * PAGE, n * PAGE)
+    assert reads.native > 1000 and reads.python > 0  # raw and lz4 natively; same-fill words up
+    counters = path.counters()
+    assert counters["reads"] == reads.native and counters["handed_up"] == 2 * 1500 - reads.native
+    assert store.stats()["reads"] >= counters["reads"] + reads.python
+    store.check()
+
+
+def test_dense_frames_and_disk_blobs_are_handed_up_and_read_right(served, tmp_path):
+    tiering = Tiering(max_size=64 << 20, swap_out_path=str(tmp_path / "tier"),
+                      swap_out_max_size=64 << 20, cold_grace_period=0.0, recompress_cpu=1.0)
+    store, path, reads = served(warm_algorithm="lz4", frame_pages=16, tiering=tiering)
+    rnd = random.Random(3)
+    model = fill_mixed(store, rnd, 1024)
+    time.sleep(0.05)  # past the grace period by a few ticks
+    while store.recompressor.pass_once():
+        pass
+    store.demote_cold(limit=200)
+    stats = store.stats()
+    assert stats["recompressed_pages_total"] > 0 and stats["disk_pages"] > 0
+    for first in range(0, 1024, 3):
+        assert reads.read(first * PAGE, PAGE) == model[first * PAGE:(first + 1) * PAGE]
+    assert reads.python > 0
+    store.check()
+
+
+def test_a_native_read_records_the_access_as_the_python_path_does(served):
+    store, path, reads = served(warm_algorithm="lz4")
+    rnd = random.Random(1)
+    store.write(text_page(rnd, 1), 0)
+    blob = int(store.slots.handle[0])
+    assert store.blobs.rtime[blob] == 0 and store.slots.rtime[0] == 0
+    reads.read(0, PAGE)
+    assert reads.native == 1
+    now = store.now()
+    assert 0 < store.blobs.rtime[blob] <= now and store.blobs.atime[blob] == store.blobs.rtime[blob]
+    assert store.slots.rtime[0] == (int(store.blobs.rtime[blob]) & 0xFFFF or 1)
+    # a read, then a write of the same slot within hot_threshold_ms: the Python path's count
+    store.write(text_page(rnd, 2), 0)
+    assert store.counters.pingpong == 1
+
+
+def test_a_corrupt_cell_is_handed_up_and_answers_eio(served):
+    store, path, reads = served(warm_algorithm="lz4")
+    rnd = random.Random(2)
+    store.write(text_page(rnd, 1), 0)
+    blob = int(store.slots.handle[0])
+    arena, cell = int(store.blobs.arena[blob]), int(store.blobs.cell[blob])
+    size = store.pool.classes[int(store.pool.arena_classes()[arena])].cell_size
+    store.pool._arenas[arena][cell * size] ^= 0xFF  # noqa: SLF001 (the test corrupts a cell)
+    with pytest.raises(Exception, match="checksum"):
+        reads.read(0, PAGE)
+    assert reads.python == 1 and store.counters.checksum_errors == 1
+
+
+# -- malformed requests -------------------------------------------------------------------
+
+def _drain(path, loop_end, rbuf, wbuf) -> list[bytes]:
+    handed = []
+    while True:
+        n = path.serve(loop_end.fileno(), rbuf, wbuf)
+        if n == 0:
+            return handed
+        assert n > 0
+        handed.append(bytes(rbuf[:n]))
+
+
+requests = st.one_of(
+    st.binary(max_size=120),  # anything at all, short headers included
+    st.builds(  # READs with hostile fields
+        lambda unique, nodeid, offset, size, cut: read_request(unique, offset, size, nodeid)[:cut],
+        st.integers(0, 2**64 - 1), st.sampled_from([0, 1, 2, 3, 2**64 - 1]),
+        st.one_of(st.integers(0, 2**64 - 1), st.integers(0, 64).map(lambda p: p * PAGE),
+                  st.integers(0, 64 * PAGE)),
+        st.one_of(st.integers(0, 2**32 - 1), st.integers(0, 16).map(lambda p: p * PAGE)),
+        st.integers(0, 80)),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=st.lists(requests, min_size=1, max_size=12))
+def test_malformed_requests_are_answered_once_or_handed_up_intact(batch, fuzz_store):
+    store, path, model = fuzz_store
+    ours, loop_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    # a buffer smaller than some replies: such a READ must be handed up, not overrun
+    rbuf, wbuf = bytearray(256), bytearray(OUT_HEADER.size + 8 * PAGE)
+    try:
+        sent = [m for m in batch if m]  # an empty seqpacket message reads as end of file
+        for message in sent:
+            ours.send(message)
+        ours.shutdown(socket.SHUT_WR)
+        handed = _drain(path, loop_end, rbuf, wbuf)
+        loop_end.shutdown(socket.SHUT_WR)
+        replies = []
+        while True:
+            reply = ours.recv(OUT_HEADER.size + MAX_REPLY)
+            if not reply:
+                break
+            replies.append(reply)
+    finally:
+        ours.close()
+        loop_end.close()
+    # each message either handed up byte for byte (truncated to the buffer) or answered
+    answered = [m for m in sent if m[:len(rbuf)] not in handed]
+    assert len(handed) + len(replies) == len(sent)
+    assert len(replies) == len(answered)
+    for message, reply in zip(answered, replies):
+        assert len(message) >= IN_HEADER.size + 40
+        opcode, unique, nodeid = IN_HEADER.unpack_from(message, 0)[1:4]
+        offset, size = struct.unpack_from("<QI", message, IN_HEADER.size + 8)
+        assert opcode == READ and nodeid == 2 and offset % PAGE == 0
+        length, error, got = OUT_HEADER.unpack_from(reply, 0)
+        assert (error, got, length) == (0, unique, len(reply))
+        end = min(offset + size, store.size, offset + (1 << 20))
+        assert reply[OUT_HEADER.size:] == model[offset:end]
+
+
+@pytest.fixture(scope="module")
+def fuzz_store():
+    store = native_store(size=256 * PAGE, warm_algorithm="lz4")
+    model = fill_mixed(store, random.Random(5), 256)
+    path = native.NativePath(store)
+    yield store, path, model
+    path.close()
+
+
+# -- interleaved with Python's maintenance --------------------------------------------------
+
+def test_native_reads_interleaved_with_writes_recompression_compaction_and_demotion(tmp_path):
+    """Readers read pages whose bytes never change, while Python rewrites them with the
+    same bytes (new blobs, slot switches), writes other pages, packs warm pages into frames,
+    compacts the pool and demotes to disk. Every native read is exact."""
+    tiering = Tiering(max_size=64 << 20, swap_out_path=str(tmp_path / "tier"),
+                      swap_out_max_size=256 << 20, cold_grace_period=0.0, recompress_cpu=1.0)
+    store = native_store(size=32 << 20, warm_algorithm="lz4", frame_pages=16, tiering=tiering)
+    path = native.NativePath(store)
+    reads = PerThread(store, path)
+    rnd = random.Random(11)
+    stable_pages, churn_first, churn_pages = 1024, 2048, 4096
+    model = fill_mixed(store, rnd, stable_pages)
+    failures: list[str] = []
+    stop = threading.Event()
+
+    def reader(seed: int) -> None:
+        r = random.Random(seed)
+        try:
+            mine = reads.get()
+            while not stop.is_set():
+                first = r.randrange(stable_pages)
+                n = min(r.choice([1, 1, 2, 8]), stable_pages - first)
+                if mine.read(first * PAGE, n * PAGE) != model[first * PAGE:(first + n) * PAGE]:
+                    failures.append(f"read {first}+{n}: wrong bytes")
+        except Exception as exc:
+            failures.append(f"reader: {type(exc).__name__}: {exc}")
+
+    def rewriter() -> None:
+        r = random.Random(12)
+        try:
+            while not stop.is_set():
+                first = r.randrange(stable_pages - 8)
+                store.write(bytes(model[first * PAGE:(first + 8) * PAGE]), first * PAGE)
+                other = churn_first + r.randrange(churn_pages - 16)
+                store.write(b"".join(text_page(r, other + k) for k in range(16)), other * PAGE)
+                if r.random() < 0.2:
+                    store.trim(other * PAGE, 8 * PAGE)
+        except Exception as exc:
+            failures.append(f"rewriter: {type(exc).__name__}: {exc}")
+
+    def maintainer() -> None:
+        try:
+            while not stop.is_set():
+                store.recompressor.pass_once()
+                store.recompressor.pass_once(pressure=True)
+                store.demote_cold(limit=64)
+                store.compact()
+                store.maintain()
+        except Exception as exc:
+            failures.append(f"maintainer: {type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(3)]
+    threads += [threading.Thread(target=rewriter), threading.Thread(target=maintainer)]
+    for t in threads:
+        t.start()
+    time.sleep(8)
+    stop.set()
+    for t in threads:
+        t.join(60)
+    try:
+        assert not any(t.is_alive() for t in threads)
+        assert failures == []
+        native_reads = sum(r.native for r in reads.all)
+        assert native_reads > 100 and sum(r.python for r in reads.all) > 0
+        stats = store.stats()
+        assert stats["recompressed_pages_total"] > 0 and stats["disk_pages"] > 0
+        assert stats["compactions"] > 0
+        assert store.read(0, stable_pages * PAGE) == model
+        store.check()
+    finally:
+        reads.close()
+        path.close()
+
+
+def test_the_lock_excludes_native_threads_while_python_holds_it(served):
+    store, path, reads = served(warm_algorithm="lz4")
+    store.write(text_page(random.Random(4), 1), 0)
+    done = threading.Event()
+
+    def read() -> None:
+        reads.read(0, PAGE)
+        done.set()
+
+    with store.lock:
+        t = threading.Thread(target=read)
+        t.start()
+        assert not done.wait(0.3)  # the native read waits for the lock, without the GIL
+        assert store.lock.locked()
+    assert done.wait(10)
+    t.join()
+    assert reads.native == 1
+    assert store.lock.acquire(False) and not store.lock.acquire(False)
+    store.lock.release()
+    with pytest.raises(RuntimeError):
+        store.lock.release()
+
+
+def test_datapath_native_without_the_extension_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setattr(native, "nativeloop", None)
+    monkeypatch.setattr(native, "MISSING", "the native request path is not built (test)")
+    with pytest.raises(native.NativeUnavailable, match="device.datapath: python"):
+        native.choose("native")
+    choice = native.choose("auto")
+    assert choice.path == "python" and "not built" in choice.reason
+    assert native.choose("python").path == "python"
