@@ -17,6 +17,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sysconfig
 import sys
 import time
 from pathlib import Path
@@ -114,6 +115,7 @@ def test_the_version_and_architecture_are_in_the_name(deb, slow_checks):
     names = {d.strip().split()[0] for d in depends.split(",")}
     assert {"nbdkit", "nbdkit-plugin-python", "fuse3", "util-linux", "python3"} <= names
     assert {"python3-numpy", "python3-yaml", "python3-lz4", "python3-xxhash", "python3-cryptography"} <= names
+    assert "liblz4-1" in names  # the native request path links it
     assert "python3-zstandard" not in names  # bookworm's 0.20 cannot read the store's frames
 
 
@@ -141,7 +143,9 @@ def test_the_file_list_holds_what_a_host_needs(deb):
     assert not need - files, sorted(need - files)
     assert any(f.startswith(f"{LIB}/zstandard/backend_c.") for f in files)
     assert not [f for f in files if "__pycache__" in f or f.endswith(".pyc")]
-    assert not [f for f in files if f.startswith(f"{LIB}/agentzip_blk/") and f.endswith(".so")]
+    # the one shared object inside the package: the native request path, built for python3.11
+    assert [f for f in files if f.startswith(f"{LIB}/agentzip_blk/") and f.endswith(".so")] == [
+        f"{LIB}/agentzip_blk/datapath/nativeloop{sysconfig.get_config_var('EXT_SUFFIX')}"]
     ctrl = Path(run(["mktemp", "-d"]).stdout.strip())
     try:
         assert run(["dpkg-deb", "-e", str(deb), str(ctrl)]).returncode == 0

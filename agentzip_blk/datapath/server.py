@@ -193,7 +193,8 @@ class Server:
     def _health(self, request: dict) -> dict:
         """Unlike ping, this waits for the store lock: a wedged request path times out."""
         return {"pid": os.getpid(), "store": self.store.health(),
-                "guarded": self.guard is not None and self.guard.guarded()}
+                "guarded": self.guard is not None and self.guard.guarded(),
+                "datapath": self.datapath.path}
 
     def _guard(self, request: dict) -> dict:
         """`up` names the device before swapon: polite signals are refused while it is swap."""

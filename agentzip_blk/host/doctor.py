@@ -56,6 +56,9 @@ class Facts:
     server_locked: bool | None = None  # mlockall done in the server
     server_locked_bytes: int = 0
     nbdfuse_locked: bool | None = None
+    native_built: bool = True  # the native request path's extension imports (datapath.native)
+    native_missing: str = ""   # why not
+    datapath_running: dict | None = None  # the server's stats["server"]["datapath"]
     old_config_keys: list[tuple[str, str]] = field(default_factory=list)  # (old, new) names
     scopes_enabled: list[str] = field(default_factory=list)
     scoped_cgroups: list[str] = field(default_factory=list)
@@ -85,7 +88,7 @@ def gather(run_dir: str, config=None, root: str = "/", config_path: str | None =
     from ..cgroups.backends import open_backend
     from ..cgroups.fs import CgroupError
     from ..cgroups.scopes import scoped_cgroups
-    from ..datapath import control
+    from ..datapath import control, native
     from .chain import loop_dio
     from .health import health
     from .runstate import RunState
@@ -112,6 +115,7 @@ def gather(run_dir: str, config=None, root: str = "/", config_path: str | None =
     f.fuse_dev = os.path.exists("/dev/fuse")
     f.loop_control = os.path.exists("/dev/loop-control")
     f.fuse_tools = facts.missing_tools(["nbdfuse", "fusermount3"])
+    f.native_built, f.native_missing = native.available(), native.MISSING
     f.damon_anon_pageout, f.damon_file_only = damon_pageout(_under(root, "/sys"))
     f.kubelet = read_kubelet_swap(kubelet_config)
     f.oomd_active, f.oomd_omit = oomd(root)
@@ -140,6 +144,7 @@ def gather(run_dir: str, config=None, root: str = "/", config_path: str | None =
             srv = st.get("server", {})
             f.server_locked = bool(srv.get("memory_locked"))
             f.server_locked_bytes = int(srv.get("locked_bytes") or 0)
+            f.datapath_running = srv.get("datapath")
         except Exception:
             f.server_locked_bytes = procfs.process_locked(state.nbdkit_pid)
             f.server_locked = f.server_locked_bytes > 0
@@ -391,6 +396,29 @@ def _server(f: Facts) -> Iterator[Check]:
                     "run up as root without --no-mlock; check `ulimit -l` (RLIMIT_MEMLOCK)")
 
 
+def _request_path(f: Facts) -> Iterator[Check]:
+    """Which request path the server runs (device.datapath), and whether the native one
+    could run here."""
+    running = f.datapath_running
+    if running is not None:
+        detail = f"the server runs the {running.get('path')} request path ({running.get('reason')})"
+        if running.get("path") == "native":
+            detail += (f"; {running.get('native_reads', 0)} reads answered natively, "
+                       f"{running.get('native_handed_up', 0)} requests handed to Python")
+        elif not f.native_built:
+            yield Check("request path", WARN, detail, "apt-get install gcc python3-dev liblz4-dev "
+                        "libxxhash-dev; reinstall the package; down; up")
+            return
+        yield Check("request path", PASS, detail)
+    elif not f.native_built:
+        yield Check("request path", WARN, f"{f.native_missing}: every request would be served in "
+                    "Python (slower warm faults)", "apt-get install gcc python3-dev liblz4-dev "
+                    "libxxhash-dev; reinstall the package")
+    else:
+        yield Check("request path", PASS, "the native request path is built (device.datapath: auto "
+                    "uses it)")
+
+
 def _host_reclaim(f: Facts) -> Iterator[Check]:
     """Other proactive reclaim on the host."""
     if f.damon_anon_pageout:
@@ -451,7 +479,8 @@ def _kubelet(f: Facts) -> Iterator[Check]:
         yield Check("kubelet swap", *verdict(f.kubelet))
 
 
-RULES = (_kernel, _memory_cgroup, _swap_areas, _zswap, _attach_path, _server, _host_reclaim,
+RULES = (_kernel, _memory_cgroup, _swap_areas, _zswap, _attach_path, _server, _request_path,
+         _host_reclaim,
          _oomd, _old_config_keys, _scopes, _kubelet)
 
 

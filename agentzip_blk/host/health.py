@@ -71,6 +71,7 @@ def status(run_dir: str | None = None, *, config=None,
         if ours is not None or alive:
             out["health"] = health(state, health_timeout)
             out["healthy"] = out["health"]["ok"]
+            out["server"]["datapath"] = out["health"]["nbdkit"].get("datapath")
         out["server"]["oom_protected"] = state.oom_protected
         if alive and not state.oom_protected:
             warnings.append("could not set oom_score_adj -1000 on the server (needs "
@@ -118,6 +119,7 @@ def health(state: RunState, timeout: float = HEALTH_TIMEOUT) -> dict:
                 reply = control.request(state.control_socket, "health", timeout=timeout)
                 srv["responsive"] = True
                 srv["guarded"] = bool(reply.get("guarded"))
+                srv["datapath"] = reply.get("datapath")  # native or python (datapath.native)
             except control.ControlError as exc:
                 problems.append(f"nbdkit (pid {state.nbdkit_pid}) does not answer health "
                                 f"within {timeout:g}s: {exc}")

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from agentzip_blk import procfs
-from agentzip_blk.datapath import control
+from agentzip_blk.datapath import control, native
 from agentzip_blk.host import facts
 from agentzip_blk.datapath.fuse import FuseFile
 
@@ -175,14 +175,24 @@ def agentish_page(rng: random.Random) -> bytes:
 
 @needs_nbdkit
 @pytest.mark.nbdkit
-def test_concurrent_overlapping_requests_match_a_model(tmp_path):
+@pytest.mark.parametrize("datapath,warm", [("python", "none"), ("python", "lz4"),
+                                           ("native", "none"), ("native", "lz4")])
+def test_concurrent_overlapping_requests_match_a_model(tmp_path, datapath, warm):
     """6 threads, 3000 requests on 128 pages (8 units of 16): reads, writes of 1-8 pages,
     punches and zero-ranges. Requests on the same pages are ordered by page locks (so the
-    model is exact); everything else runs at once, inside the same units."""
+    model is exact); everything else runs at once, inside the same units. Both request
+    paths (device.datapath), pages framed at once or stored warm."""
+    if datapath == "native" and not native.available():
+        pytest.skip(native.MISSING)
     pages, threads, ops = 128, 6, 500
     size = 16 * MiB
     mnt = str(tmp_path / "mnt")
-    server = start_server(tmp_path, size="16M", extra_keys=(f"fuse={mnt}", "fuse_threads=4"),
+    config = tmp_path / "config.yaml"
+    config.write_text(f"pool:\n  swap_out_path: {tmp_path / 'disk-tier'}\n"
+                      f"compression:\n  warm_algorithm: {warm}\n"
+                      f"device:\n  datapath: {datapath}\n")
+    server = start_server(tmp_path, size="16M", config=config,
+                          extra_keys=(f"fuse={mnt}", "fuse_threads=4"),
                           wait_for=(os.path.join(mnt, "device"),))
     path = os.path.join(mnt, "device")
     model = bytearray(size)
@@ -246,6 +256,12 @@ def test_concurrent_overlapping_requests_match_a_model(tmp_path):
         assert door["errors"] == 0 and stats["errors"] == 0
         assert door["threads"] == 4 and door["reads"] > 0 and door["writes"] > 0
         assert door["trims"] > 0 and stats["trims"] + stats["zeroes"] == door["trims"]
+        served = stats["server"]["datapath"]
+        assert served["path"] == datapath
+        if datapath == "native":  # empty and zero pages at least, warm pages too with lz4
+            assert served["native_reads"] > 0 and served["native_handed_up"] > 0
+            assert served["native_reply_errors"] == 0
+        assert stats["latency"]["read"]["count"] == door["reads"]
     finally:
         if mounted(mnt):
             subprocess.run(["fusermount3", "-u", mnt], check=False)
@@ -334,17 +350,22 @@ def _cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
 @pytest.mark.skipif(not Path(sys.executable).with_name("agentzip-blk").exists(),
                     reason="agentzip-blk is not installed in this venv (./setup.sh)")
 @pytest.mark.skipif(facts.nbd_kernel_available(), reason="kernel nbd host")
-def test_cli_up_swap_down_in_separate_processes_with_fuse(tmp_path):
+@pytest.mark.parametrize("datapath,warm", [("auto", "none"), ("native", "lz4")])
+def test_cli_up_swap_down_in_separate_processes_with_fuse(tmp_path, datapath, warm):
+    """The defaults, and the native request path serving warm pages: every byte back."""
     from agentzip_blk.host import attach, runstate
     from agentzip_blk.cgroups.fs import MemoryCgroup
 
+    if datapath == "native" and not native.available():
+        pytest.skip(native.MISSING)
     if procfs.swaps():
         pytest.skip("another swap area is active; this test must own swap")
     run_dir = tempfile.mkdtemp(prefix="azfc-", dir="/tmp")
     cfg = tmp_path / "config.yaml"
     cfg.write_text(f"pool:\n  swap_out_path: {tmp_path / 'disk-tier'}\n"
+                   f"compression:\n  warm_algorithm: {warm}\n"
                    f"device:\n  size: 512M\n  run_dir: {run_dir}\n  frontend: fuse\n"
-                   f"  swap_priority: 77\n")
+                   f"  swap_priority: 77\n  datapath: {datapath}\n")
     cg = proc = None
     try:
         r = _cli("--config", str(cfg), "up")
@@ -355,6 +376,10 @@ def test_cli_up_swap_down_in_separate_processes_with_fuse(tmp_path):
         st = json.loads(r.stdout)
         assert st["attached"] and st["state"]["frontend"] == "fuse", r.stdout
         assert st["nbdfuse"] is None and st["mount"]["mounted"]
+        expected = "native" if native.available() else "python"
+        assert st["server"]["datapath"] == expected, r.stdout
+        table = _cli("--config", str(cfg), "status", "-o", "NAME,DATAPATH", "--raw", "-n").stdout
+        assert expected in table
 
         cg = MemoryCgroup.create(f"azt-fusecli-{os.getpid()}")
         cg.allow_swap()
@@ -385,6 +410,10 @@ def test_cli_up_swap_down_in_separate_processes_with_fuse(tmp_path):
         stats = json.loads(_cli("--config", str(cfg), "stats", "--json").stdout)
         door = stats["server"]["fuse"]
         assert door["writes"] > 0 and door["reads"] > 0 and door["errors"] == 0
+        served = stats["server"]["datapath"]
+        assert served["path"] == expected
+        if warm == "lz4":  # the swap-ins of warm pages were answered without Python
+            assert served["native_pages_read"] > 0 and served["native_reply_errors"] == 0
         r = _cli("--config", str(cfg), "down")
         assert r.returncode == 0, r.stderr
         assert "detached" in r.stdout
