@@ -80,6 +80,7 @@ class SwapConfig:
     frame_pages: int | None = None  # agentzip: compression.frame_pages; None = the default
     rotational: bool | None = None  # agentzip: device.rotational; None = the default
     warm: str | None = None  # agentzip: compression.warm_algorithm; None = the default
+    datapath: str | None = None  # agentzip: device.datapath; None = the default (auto)
 
     @property
     def is_zram(self) -> bool:
@@ -110,6 +111,9 @@ def swap_configs(with_dictionaries: bool) -> list[SwapConfig]:
     out = [SwapConfig("zram-lz4", "zram", "lz4"), SwapConfig("zram-lzo-rle", "zram", "lzo-rle"),
            SwapConfig("agentzip-default", "agentzip", "default"),
            SwapConfig("agentzip-warm-lz4", "agentzip", "default", warm="lz4"),
+           SwapConfig("agentzip-warm-lz4-python", "agentzip", "default", warm="lz4",
+                      datapath="python"),
+           SwapConfig("agentzip-python", "agentzip", "default", datapath="python"),
            SwapConfig("agentzip-warm-zstd", "agentzip", "default", warm="zstd"),
            SwapConfig("agentzip-rotational", "agentzip", "default", rotational=True),
            SwapConfig("agentzip-vma-readahead", "agentzip", "default", rotational=False),
@@ -365,6 +369,8 @@ class Bench:
         device = {"size": self.opts.swap_size, "run_dir": run_dir}
         if cfg.rotational is not None:
             device["rotational"] = cfg.rotational
+        if cfg.datapath is not None:
+            device["datapath"] = cfg.datapath
         config = parse_config({"compression": comp,
                                "pool": {"swap_out_path": os.path.join(run_dir, "swapfile")},
                                "device": device})

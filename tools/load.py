@@ -209,12 +209,14 @@ def run(args) -> dict:
         "pool": {"max_size": args.pool, "reclaim_threshold": 80,
                  "swap_out_path": os.path.join(tmp, "disk-tier")},
         "policy": {"cold_grace_period": "5s"},
-        "device": {"rotational": args.rotational},
+        "compression": {"warm_algorithm": args.warm},
+        "device": {"rotational": args.rotational, "datapath": args.datapath},
     })
     result: dict = {"config": {"workers": args.workers, "duration_s": args.duration,
                                "heap_mb": args.mb, "limit_fraction": args.limit_fraction,
                                "pool": args.pool, "device_size": args.size,
-                               "rotational": args.rotational}}
+                               "rotational": args.rotational, "warm_algorithm": args.warm,
+                               "datapath": args.datapath}}
     cgroups: list = []
     workloads: list[Workload] = []
     try:
@@ -446,6 +448,10 @@ def main(argv=None) -> int:
     ap.add_argument("--size", type=int, default=2 << 30, help="device size bytes")
     ap.add_argument("--rotational", action="store_true",
                     help="device.rotational: true (cluster readahead of 2^vm.page-cluster slots)")
+    ap.add_argument("--warm", default="none", choices=("none", "lz4", "zstd"),
+                    help="compression.warm_algorithm (default none, the store's default)")
+    ap.add_argument("--datapath", default="auto", choices=("auto", "native", "python"),
+                    help="device.datapath: who answers the FUSE reads (default auto)")
     ap.add_argument("--interval", type=float, default=2.0, help="sampling interval s")
     ap.add_argument("--warmup", type=float, default=30.0, help="seconds left out of averages")
     ap.add_argument("--md", default=os.path.join(REPO, "BENCHMARKS.md"))

@@ -45,7 +45,12 @@ class SignalGuard:
         threading.Thread(target=self._loop, name="agentzip-signals", daemon=True).start()
 
     def arm(self, device: str) -> None:
+        """Once, from `up`: the device stays armed for the server's life. Arming it again
+        with another device is refused, so that a peer of the control socket cannot point
+        the guard away from the real swap area and then stop the server."""
         with self._lock:
+            if self._device is not None and self._device != device:
+                raise ValueError(f"the guard is armed for {self._device} already")
             self._device = device
 
     @property

@@ -9,11 +9,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import resource
 
 MCL_CURRENT = 1
 MCL_FUTURE = 2
 MCL_ONFAULT = 4
 PR_SET_IO_FLUSHER = 57
+PR_SET_DUMPABLE = 4
+PR_GET_DUMPABLE = 3
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
@@ -61,3 +64,23 @@ def clear_parent_death_signal() -> str | None:
     if _libc.prctl(PR_SET_PDEATHSIG, 0, 0, 0, 0) != 0:
         return os.strerror(ctypes.get_errno())
     return None
+
+
+def forbid_core_dumps() -> str | None:
+    """No core dump of the server, ever: it would hold the whole pool in the clear and the
+    disk tier's key (docs/SECURITY.md). RLIMIT_CORE 0 and PR_SET_DUMPABLE 0 (which also
+    keeps ptrace and /proc/PID/mem from processes that are not root with
+    CAP_SYS_PTRACE); the pool's arenas are MADV_DONTDUMP as well (store.pool), for a
+    kernel set to dump regardless (suid_dumpable 2 with a core pipe). None on success."""
+    try:
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    except (OSError, ValueError) as exc:
+        return f"RLIMIT_CORE: {exc}"
+    if _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        return "PR_SET_DUMPABLE: " + os.strerror(ctypes.get_errno())
+    return None
+
+
+def dumpable() -> bool:
+    """PR_GET_DUMPABLE of this process."""
+    return _libc.prctl(PR_GET_DUMPABLE, 0, 0, 0, 0) != 0

@@ -61,6 +61,7 @@ class Protection:
     io_flusher: str | None = "not tried"
     io_flusher_threads: set[int] = field(default_factory=set)
     parent_death_signal: str | None = "not tried"
+    core_dumps: str | None = "not tried"  # None: forbidden (protect.forbid_core_dumps)
 
 
 class Server:
@@ -103,6 +104,9 @@ class Server:
             self.guard = SignalGuard(stop, _say)
             self.guard.install()
         self.protection.parent_death_signal = protect.clear_parent_death_signal()
+        self.protection.core_dumps = protect.forbid_core_dumps()
+        if self.protection.core_dumps is not None:
+            _say(f"agentzip: core dumps not forbidden: {self.protection.core_dumps}")
         # mlockall is undone by fork(): lock again in the process that serves.
         self.protection.memory_locked = protect.lock_memory()
         self.protection.oom_score = protect.lower_oom_score()
@@ -203,7 +207,7 @@ class Server:
             raise ValueError('"device" must be a /dev path')
         if self.guard is None:
             raise ValueError("this server was started without a signal guard")
-        self.guard.arm(device)
+        self.guard.arm(device)  # once: another device is refused (SignalGuard.arm)
         return {"device": device}
 
     def _shutdown(self, request: dict) -> dict:
@@ -212,9 +216,30 @@ class Server:
             raise ValueError("this server was started without a signal guard: stop it with SIGTERM")
         if self.guard.guarded():
             raise ValueError(f"{self.guard.device} is still swap: swapoff first (agentzip-blk down)")
+        # Not only the device `up` named: any swap area over our FUSE file, whatever the
+        # guard was told (a peer that armed it with another device cannot stop us this way).
+        ours = self._swap_over_our_file()
+        if ours is not None:
+            raise ValueError(f"{ours} is swap over {self.fuse.path}: swapoff first "
+                             "(agentzip-blk down)")
         _say("agentzip: shutdown requested over the control socket")
         self.guard.stop()
         return {"pid": os.getpid()}
+
+    def _swap_over_our_file(self) -> str | None:
+        """A swap area in /proc/swaps that is a loop device backed by our FUSE file."""
+        if self.fuse is None:
+            return None
+        for area in procfs.swaps():
+            name = os.path.basename(area.filename)
+            try:
+                with open(f"/sys/block/{name}/loop/backing_file", encoding="utf-8") as f:
+                    backing = f.read().strip()
+            except OSError:
+                continue
+            if os.path.realpath(backing) == os.path.realpath(self.fuse.path):
+                return area.filename
+        return None
 
     def _slots(self, request: dict) -> dict:
         """Per-slot sizes for `stats --cgroup`: request {"slots": [n, ...]}. A request line is
@@ -267,6 +292,7 @@ class Server:
             "oom_score_lowered": self.protection.oom_score is None,
             "io_flusher": self.protection.io_flusher is None,
             "parent_death_signal_cleared": self.protection.parent_death_signal is None,
+            "core_dumps_forbidden": self.protection.core_dumps is None,
             "guarded_device": self.guard.device if self.guard else None,
             "signals_refused": dict(self.guard.refused) if self.guard else {},
             "maintenance_rounds": self.maintainer.rounds if self.maintainer else 0,

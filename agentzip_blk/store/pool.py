@@ -184,6 +184,8 @@ class Pool:
                 f"no room for a {cls.arena_size}-byte arena"
             )
         arena = mmap.mmap(-1, cls.arena_size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        # tenants' pages in the clear: never in a core dump (docs/SECURITY.md)
+        arena.madvise(mmap.MADV_DONTDUMP)
         if self._free_ids:
             arena_id = self._free_ids.pop()
             self._arenas[arena_id] = arena

@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -162,3 +163,88 @@ def test_down_refuses_to_stop_server_under_swap(tmp_path, swap_locked):
         assert not procs.pid_alive(state.nbdkit_pid)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _limit(pid: int, name: str) -> tuple[str, str]:
+    with open(f"/proc/{pid}/limits") as f:
+        for line in f:
+            if line.startswith(name):
+                soft, hard = line[len(name):].split()[:2]
+                return soft, hard
+    raise KeyError(name)
+
+
+def _dontdump_bytes(pid: int) -> int:
+    """Bytes of the process's mappings flagged MADV_DONTDUMP ("dd" in VmFlags)."""
+    total = size = 0
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            if line.startswith("Size:"):
+                size = int(line.split()[1]) * 1024
+            elif line.startswith("VmFlags:") and "dd" in line.split()[1:]:
+                total += size
+    return total
+
+
+def test_the_server_leaves_no_core_dump(srv):
+    """RLIMIT_CORE 0, not dumpable, and the pool's arenas MADV_DONTDUMP: a crash writes
+    no tenant's page and no tier key anywhere (issue 27, item 3)."""
+    pid = srv.proc.pid
+    assert _limit(pid, "Max core file size") == ("0", "0")
+    before = _dontdump_bytes(pid)
+    h = support.nbd_client(srv.nbd_socket)
+    h.pwrite(b"".join(make_pages(1024, seed=3, mix="r")), 0)  # 4 MiB stored raw in arenas
+    h.shutdown()
+    assert _dontdump_bytes(pid) - before >= 4 << 20
+    assert support.stats(srv)["server"]["core_dumps_forbidden"] is True
+
+
+def test_no_core_dumps_in_process():
+    code = ("import resource; from agentzip_blk.datapath import protect\n"
+            "assert protect.forbid_core_dumps() is None\n"
+            "print(resource.getrlimit(resource.RLIMIT_CORE), protect.dumpable())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[0] == "(0, 0) False"
+
+
+def test_the_guard_is_armed_once(srv):
+    """`up` arms the guard with its device; a peer cannot re-point it elsewhere."""
+    assert support.request(srv.control_socket, "guard", device="/dev/loop-az-a")
+    assert support.request(srv.control_socket, "guard", device="/dev/loop-az-a")  # same: fine
+    with pytest.raises(Exception, match="armed for /dev/loop-az-a already"):
+        support.request(srv.control_socket, "guard", device="/dev/loop-az-b")
+
+
+@pytest.mark.swap
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+def test_shutdown_is_refused_while_our_file_is_swap_whatever_the_guard_says(tmp_path, swap_locked):
+    """The attack of issue 27, item 2: arm the guard with a device that is not swap, then
+    ask for shutdown while a swap area sits on the server's FUSE file. Refused; after
+    swapoff it is honoured."""
+    mnt = str(tmp_path / "mnt")
+    device = os.path.join(mnt, "device")
+    loop = None
+    swap_on = False
+    with support.server(tmp_path, size="64M", extra=(f"fuse={mnt}",)) as server:
+        try:
+            deadline = time.monotonic() + 20
+            while not os.path.exists(device) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            loop = subprocess.run(["losetup", "--direct-io=on", "--show", "-f", device],
+                                  capture_output=True, text=True, check=True).stdout.strip()
+            subprocess.run(["mkswap", loop], check=True, capture_output=True)
+            subprocess.run(["swapon", "-p", "1", loop], check=True)
+            swap_on = True
+            support.request(server.control_socket, "guard", device="/dev/az-not-swap")
+            with pytest.raises(Exception, match=f"{loop} is swap over"):
+                support.request(server.control_socket, "shutdown")
+            assert server.proc.poll() is None
+        finally:
+            if swap_on:
+                subprocess.run(["swapoff", loop], check=False)
+            if loop:
+                subprocess.run(["losetup", "-d", loop], check=False)
+        assert support.request(server.control_socket, "shutdown")["pid"] == server.proc.pid
+        server.proc.wait(30)
+    subprocess.run(["umount", "-l", mnt], check=False, capture_output=True)
