@@ -139,3 +139,17 @@ def process_state(pid: int | None) -> str | None:
     # state is the field after the parenthesised comm (which may contain spaces)
     state = stat.rpartition(")")[2].split()[:1]
     return state[0] if state else None
+
+
+def loop_backing(dev: str | None) -> str | None:
+    """Backing file of a loop device (/sys/block/loopN/loop/backing_file), or None when the
+    loop device is not set up."""
+    name = os.path.basename(dev) if dev else None
+    if not name:
+        return None
+    try:
+        with open(f"/sys/block/{name}/loop/backing_file", encoding="utf-8",
+                  errors="surrogateescape") as f:
+            return f.read().strip()
+    except OSError:
+        return None

@@ -275,7 +275,7 @@ def _parse_device(value: Any) -> DeviceConfig:
         swap_priority=_int(data.get("swap_priority", d.swap_priority), "device.swap_priority", lo, hi),
         run_dir=_abs_path(data.get("run_dir", d.run_dir), "device.run_dir"),
         rotational=_bool(data.get("rotational", d.rotational), "device.rotational"),
-        frontend=_frontend(data.get("frontend", d.frontend)),
+        frontend=_choice(data.get("frontend", d.frontend), "device.frontend", FRONTENDS),
         datapath=_choice(data.get("datapath", d.datapath), "device.datapath", DATAPATHS),
         control_group=_group(data.get("control_group", d.control_group), "device.control_group"),
     )
@@ -302,12 +302,6 @@ def _group(value: Any, key: str) -> str | None:
 def _choice(value: Any, key: str, choices: tuple[str, ...]) -> str:
     if not isinstance(value, str) or value not in choices:
         raise ConfigError(f"{key}: {value!r} is not one of {' | '.join(choices)}")
-    return value
-
-
-def _frontend(value: Any) -> str:
-    if not isinstance(value, str) or value not in FRONTENDS:
-        raise ConfigError(f"device.frontend: {value!r} is not one of {' | '.join(FRONTENDS)}")
     return value
 
 

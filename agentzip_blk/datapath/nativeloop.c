@@ -395,10 +395,15 @@ static int read_pages(Path *self, uint64_t first, uint64_t count, uint8_t *out) 
     int64_t now = (int64_t)((monotonic() - self->t0) * TICKS_PER_SECOND) + 1 - self->tick_base;
     if (now >= TICK_REBASE || now < 1)
         goto done; /* Python rebases the ticks */
-    /* First every page is checked, so that a request is served whole or not at all. */
+    /* First every page is checked, so that a request is served whole or not at all; each
+     * blob's bytes are found once, here. */
+    const uint8_t *src[MAX_IO / PAGE];
+    if (count > MAX_IO / PAGE)
+        goto done;
     for (uint64_t i = 0; i < count; i++) {
         uint64_t slot = first + i;
         uint8_t kind = t->kind[slot];
+        src[i] = NULL;
         if (kind == KIND_EMPTY)
             continue;
         if (kind == KIND_SAME) {
@@ -406,34 +411,28 @@ static int read_pages(Path *self, uint64_t first, uint64_t count, uint8_t *out) 
                 goto done; /* a non-zero word: Python's table */
             continue;
         }
-        if (kind != KIND_BLOB || !servable(t, t->handle[slot]))
+        if (kind != KIND_BLOB || !(src[i] = servable(t, t->handle[slot])))
             goto done;
     }
+    /* Then each page decoded, and its access ticks recorded as PageStore._readinto_few
+     * records them (a request handed up midway leaves only ticks Python sets again). */
+    uint16_t low = (uint16_t)(now & TICK_MASK);
     for (uint64_t i = 0; i < count; i++) {
-        uint64_t slot = first + i;
         uint8_t *dst = out + i * PAGE;
-        if (t->kind[slot] != KIND_BLOB) {
+        if (src[i] == NULL) {
             memset(dst, 0, PAGE);
             continue;
         }
+        uint64_t slot = first + i;
         uint32_t blob = t->handle[slot];
-        const uint8_t *src = servable(t, blob);
         uint16_t len = t->length[blob];
-        if (self->checksums && (uint32_t)XXH3_64bits(src, len) != t->csum[blob])
+        if (self->checksums && (uint32_t)XXH3_64bits(src[i], len) != t->csum[blob])
             goto done; /* Python reads it again, counts the mismatch and answers EIO */
         if (t->codec[blob] == CODEC_RAW) {
-            memcpy(dst, src, PAGE);
-        } else if (LZ4_decompress_safe((const char *)src, (char *)dst, len, PAGE) != PAGE) {
+            memcpy(dst, src[i], PAGE);
+        } else if (LZ4_decompress_safe((const char *)src[i], (char *)dst, len, PAGE) != PAGE) {
             goto done;
         }
-    }
-    /* The access ticks, as PageStore._readinto_few records them. */
-    uint16_t low = (uint16_t)(now & TICK_MASK);
-    for (uint64_t i = 0; i < count; i++) {
-        uint64_t slot = first + i;
-        if (t->kind[slot] != KIND_BLOB)
-            continue;
-        uint32_t blob = t->handle[slot];
         t->rtime[blob] = (uint32_t)now;
         t->atime[blob] = (uint32_t)now;
         t->srtime[slot] = low ? low : 1;

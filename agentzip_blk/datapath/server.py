@@ -230,14 +230,10 @@ class Server:
         """A swap area in /proc/swaps that is a loop device backed by our FUSE file."""
         if self.fuse is None:
             return None
+        ours = os.path.realpath(self.fuse.path)
         for area in procfs.swaps():
-            name = os.path.basename(area.filename)
-            try:
-                with open(f"/sys/block/{name}/loop/backing_file", encoding="utf-8") as f:
-                    backing = f.read().strip()
-            except OSError:
-                continue
-            if os.path.realpath(backing) == os.path.realpath(self.fuse.path):
+            backing = procfs.loop_backing(area.filename)
+            if backing is not None and os.path.realpath(backing) == ours:
                 return area.filename
         return None
 

@@ -107,19 +107,6 @@ def loop_name(dev: str | None) -> str | None:
     return os.path.basename(dev) if dev else None
 
 
-def loop_backing(dev: str | None) -> str | None:
-    """Backing file of a loop device, or None when the loop device is not set up."""
-    name = loop_name(dev)
-    if not name:
-        return None
-    try:
-        with open(f"/sys/block/{name}/loop/backing_file", encoding="utf-8",
-                  errors="surrogateescape") as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-
 def _loop_flag(dev: str | None, attribute: str) -> bool | None:
     """A 0/1 attribute of the loop device in sysfs (e.g. loop/dio); None when unknown."""
     name = loop_name(dev)
@@ -158,7 +145,7 @@ def _mark_rotational(dev: str) -> bool:
 
 
 def loop_is_ours(state: RunState) -> bool:
-    backing = loop_backing(state.loop_device)
+    backing = procfs.loop_backing(state.loop_device)
     if backing is None or not state.fuse_file:
         return False
     # Strings only: both paths lie inside the FUSE mount, where a stat would wait on the

@@ -8,7 +8,7 @@ import subprocess
 from .. import procfs
 from ..datapath import control
 from . import facts
-from .chain import is_mounted, loop_backing, loop_dio, loop_is_ours, loop_rotational
+from .chain import is_mounted, loop_dio, loop_is_ours, loop_rotational
 from .procs import STOPPED_STATES, ours_alive
 from .runstate import RunState, resolve_run_dir
 
@@ -57,7 +57,7 @@ def status(run_dir: str | None = None, *, config=None,
                             "mounted": is_mounted(state.mountpoint)}
             if state.loop_device:
                 out["loop"] = {"device": state.loop_device, "attached": loop_is_ours(state),
-                               "backing_file": loop_backing(state.loop_device),
+                               "backing_file": procfs.loop_backing(state.loop_device),
                                "dio": loop_dio(state.loop_device),
                                "rotational": loop_rotational(state.loop_device)}
                 if state.rotational and out["loop"]["rotational"] is False:
