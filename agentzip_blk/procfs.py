@@ -44,6 +44,22 @@ def meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
     return out
 
 
+def memory_stall_us(path: str = "/proc/pressure/memory") -> int | None:
+    """The machine's cumulative memory stall time (PSI "some" total, microseconds): how long
+    some task waited on memory since boot. None where the kernel has no PSI (psi=0)."""
+    try:
+        with open(path, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("some "):
+                    for field in line.split()[1:]:
+                        name, _, value = field.partition("=")
+                        if name == "total":
+                            return int(value)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def unescape(s: str) -> str:
     # /proc/swaps and mountinfo escape space, tab, newline and backslash as \ooo
     if "\\" not in s:

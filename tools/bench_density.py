@@ -83,6 +83,22 @@ BOUND = 1.25  # p99 round time at most this times the no-limit p99 of the same N
 KINDS = ("agent_json", "pandas", "node_text")
 
 
+def peak_held(samples: list[dict]) -> dict | None:
+    """At the 8 s sample with the most swapped out (the sandboxes' cgroups): what the device
+    held in memory and on disk against it, and the device's memory per byte swapped out
+    (issue "Hold only what the kernel still needs")."""
+    held = [x for x in samples if "held_pool" in x and x["swap"]]
+    if not held:
+        return None
+    x = max(held, key=lambda x: x["swap"])
+    return {"t": x["t"], "swap_mib": round(x["swap"] / MiB, 1),
+            "pool_mib": round(x["held_pool"] / MiB, 1),
+            "disk_mib": round(x.get("held_disk", 0) / MiB, 1),
+            "proc_swaps_mib": round(x["proc_swaps"] / MiB, 1),
+            "pool_over_swap": round(x["held_pool"] / x["swap"], 3),
+            "device_mem_per_swap": round(x["store"] / x["swap"], 3)}
+
+
 def log(msg: str) -> None:
     print(f"bench_density: {msg}", file=sys.stderr, flush=True)
 
@@ -325,6 +341,10 @@ class NoSwap:
     def stats(self) -> dict:
         return {}
 
+    def held(self) -> dict:
+        """Bytes of pages the device holds in memory and on disk, for the 8 s samples."""
+        return {}
+
 
 class Zram(NoSwap):
     """/dev/zram0 with lz4 as the only swap (agentzip_blk.demo.backends.ZramSwap: attach, swapoff, reset)."""
@@ -352,6 +372,13 @@ class Zram(NoSwap):
                 return int(f.read().split()[2])  # mem_used_total
         except (OSError, ValueError, IndexError):
             return 0
+
+    def held(self) -> dict:
+        try:
+            with open(os.path.join(self.z.sysfs, "mm_stat")) as f:
+                return {"held_pool": int(f.read().split()[0])}  # orig_data_size
+        except (OSError, ValueError, IndexError):
+            return {}
 
     def stats(self) -> dict:
         st = self.z.stats()
@@ -436,10 +463,22 @@ class Agentzip(NoSwap):
         out = {k: st.get(k) for k in ("orig_mem", "stored_mem", "ratio", "errors", "reads", "writes",
                                       "pingpong", "warm_pages", "cold_pages", "same_pages",
                                       "pool_pages", "disk_pages", "returned_pages",
+                                      "returned_pool_pages", "returned_demotions",
                                       "recompress_backlog", "recompressed_pages_total",
                                       "recompress_cpu_seconds_total")}
         out["server_rss"] = self.store_bytes()
         return out
+
+    def held(self) -> dict:
+        # the control socket, not a CLI process: a sample must not cost the sandboxes a CPU
+        from agentzip_blk.datapath.control import request
+
+        try:
+            st = request(os.path.join(self.run_dir, "control.sock"), "stats", timeout=30)
+        except Exception:  # noqa: BLE001 - a missed sample, not a failed trial
+            return {}
+        return {"held_pool": st.get("pool_pages", 0) * PAGE, "held_disk": st.get("disk_pages", 0) * PAGE,
+                "held_returned_pool": st.get("returned_pool_pages", 0) * PAGE}
 
     def tuner_log_tail(self, n: int = 2000) -> str:
         try:
@@ -579,11 +618,17 @@ class Trial:
 
     def _sampler(self, stop: threading.Event, t_start: float) -> None:
         pids = self.swap.server_pids()
+        n = 0
         while not stop.wait(2.0):
-            self.samples.append({"t": round(time.monotonic() - t_start, 1), "usage": self.host.usage(),
-                                 "limit": self.limit_now, "store": self.swap.store_bytes(),
-                                 "swap": self.host.swap_usage(),
-                                 "server_cpu_s": sum(proc_cpu(p) for p in pids)})
+            sample = {"t": round(time.monotonic() - t_start, 1), "usage": self.host.usage(),
+                      "limit": self.limit_now, "store": self.swap.store_bytes(),
+                      "swap": self.host.swap_usage(),
+                      "server_cpu_s": sum(proc_cpu(p) for p in pids)}
+            if n % 4 == 0:  # every 8 s, as the issue sampled it: what the store holds where
+                sample.update(self.swap.held())
+                sample["proc_swaps"] = sum(a.used for a in procfs.swaps())
+            self.samples.append(sample)
+            n += 1
 
     def run(self) -> dict:
         from agentzip_blk.cgroups.fs import MemoryCgroup
@@ -662,6 +707,7 @@ class Trial:
             proc_swaps_used_mib=round(sum(a.used for a in procfs.swaps()) / MiB, 1),
             limit_end_mib=round(self.limit_now / MiB, 1) if self.limit_now else None,
             device=self.swap.stats() if self.limited else {},
+            peak=peak_held(self.samples),
             samples=self.samples,
         )
 
@@ -765,6 +811,11 @@ class Bench:
             f"{r.get('swap_in_mib_s', 0)}/{r.get('swap_out_mib_s', 0)} MiB/s, server CPU "
             f"{r.get('server_cpu')}, device ratio {_fmt((r.get('device') or {}).get('ratio'))}"
             + (f"; {r['failure']}" if r["failure"] else ""))
+        if r.get("peak"):
+            pk = r["peak"]
+            log(f"    at peak swap ({pk['swap_mib']} MiB out, t={pk['t']}s): in memory {pk['pool_mib']} MiB "
+                f"({pk['pool_over_swap']}x), on disk {pk['disk_mib']} MiB, /proc/swaps {pk['proc_swaps_mib']} MiB, "
+                f"device memory {pk['device_mem_per_swap']} MiB per MiB out")
         return ok
 
     def search(self, name: str, start: int) -> int:

@@ -28,7 +28,7 @@ from .schema import (ALGORITHMS, DATAPATHS, DEDUP_MODES, DEFAULT_CONFIG_PATH, DI
                      KEY_ALIASES,
                      LEVEL_RANGES,
                      MAX_DEVICE_SIZE, MAX_FRAME_PAGES, MIN_SIZE, SUPPORTED_PAGE_SIZE, SWAP_PRIORITY_RANGE,
-                     WARM_ALGORITHMS,
+                     RETURNED_TO_DISK, WARM_ALGORITHMS,
                      CompressionConfig, Config, DeviceConfig, PolicyConfig, PoolConfig, Scope,
                      default_scopes)
 
@@ -232,7 +232,9 @@ def _parse_policy(value: Any) -> PolicyConfig:
     if isinstance(cpu, bool) or not isinstance(cpu, (int, float)) or not 0 <= cpu <= 64:
         raise ConfigError(f"policy.recompress_cpu: {cpu!r} must be a number of CPUs from 0 "
                           "to 64 (e.g. 0.25 for a quarter of one CPU; 0: never recompress)")
-    return PolicyConfig(hot, warm, seconds, hot_cache, float(target), float(cpu))
+    returned = _choice(data.get("returned_to_disk", d.returned_to_disk), "policy.returned_to_disk",
+                       RETURNED_TO_DISK)
+    return PolicyConfig(hot, warm, seconds, hot_cache, float(target), float(cpu), returned)
 
 
 def _parse_scopes(value: Any) -> list[Scope]:

@@ -80,8 +80,15 @@ class PolicyConfig:
     # CPUs' worth of thread time the recompressor may spend packing warm pages cold
     # (measured on its thread's CPU clock); 0: pages stay warm
     recompress_cpu: float = 0.25
+    # Where a copy goes once its page has been read back and stayed in RAM for
+    # warm_threshold_ms (docs/ARCHITECTURE.md, "What the kernel tells the device"): to the
+    # disk tier while the host is under memory pressure (PSI), always, or never. `never` by
+    # default: with `pressure` the density benchmark lost at N = 12 (refaults from the disk
+    # tier are Python's slow path; BENCHMARKS.md "Returned copies").
+    returned_to_disk: str = "never"
 
 
+RETURNED_TO_DISK = ("pressure", "always", "never")
 @dataclass
 class Scope:
     cgroup: str  # fnmatch-style glob

@@ -24,6 +24,7 @@ from ..store.tiering import Maintainer
 from . import latency, native, protect
 from .control import ControlServer
 from .guard import SignalGuard
+from .pressure import HostPressure
 
 PLUGIN_KEYS = ("config", "size", "control", "fuse", "fuse_threads")
 MAX_STATS_AGE = 3600  # s: the oldest cached stats a `stats` request may ask for
@@ -75,6 +76,7 @@ class Server:
         self.store: PageStore | None = None
         self.control: ControlServer | None = None
         self.maintainer: Maintainer | None = None
+        self.pressure: HostPressure | None = None
         self.fuse = None  # datapath.fuse.FuseFile when the fuse= key is given
         # who answers the FUSE door's warm reads (datapath.native); NBD requests are Python's
         self.datapath: native.Choice = (native.choose(config.device.datapath) if options.fuse
@@ -113,6 +115,8 @@ class Server:
         self.protection.io_flusher = protect.set_io_flusher()
         self.store = PageStore.from_config(self.size, self.config,
                                            lock=native.make_lock(self.datapath))
+        self.pressure = HostPressure()
+        self.store.pressure = self.pressure
         self.maintainer = Maintainer(self.store)
         self.maintainer.start()
         if self.options.control:
@@ -292,6 +296,8 @@ class Server:
             "guarded_device": self.guard.device if self.guard else None,
             "signals_refused": dict(self.guard.refused) if self.guard else {},
             "maintenance_rounds": self.maintainer.rounds if self.maintainer else 0,
+            # maintenance rounds that found the host under memory pressure (datapath.pressure)
+            "host_pressure_seen": self.pressure.seen if self.pressure else 0,
             "maintenance_error": self.maintainer.last_error if self.maintainer else None,
             "control_refused": self.control.refused if self.control else 0,
             "datapath": self._datapath(),

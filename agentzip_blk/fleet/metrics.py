@@ -86,6 +86,8 @@ COUNTERS = [
     ("errors", "errors", "Requests that failed with an I/O error."),
     ("dedup_hits", "dedup_hits", "Pages stored as a reference to an identical page."),
     ("demotions", "demotions", "Pages moved from the pool to the disk tier."),
+    ("returned_demotions", "returned_demotions",
+     "Of the demotions, copies of pages read back and kept in RAM (policy.returned_to_disk)."),
     ("promotions", "promotions", "Pages moved from the disk tier back to the pool."),
     ("pingpong", "pingpong", "Pages written again within hot_threshold_ms of being read."),
     ("hot_hits", "hot_cache_hits", "Reads served from the hot-page cache."),
@@ -154,6 +156,12 @@ def stats_metrics(st: dict) -> Iterator[Metric]:
     yield GaugeMetricFamily(_n("recompress_backlog_pages"),
                             "Warm pages older than policy.cold_grace_period, not yet packed.",
                             value=float(st.get("recompress_backlog", 0)))
+    returned = GaugeMetricFamily(_n("returned_pages"), "Pages read back and not written since, "
+                                 "by where their copy is (pool or disk).", labels=["tier"])
+    in_pool = st.get("returned_pool_pages", 0)
+    returned.add_metric(["pool"], float(in_pool))
+    returned.add_metric(["disk"], float(st.get("returned_pages", 0) - in_pool))
+    yield returned
 
     temp = GaugeMetricFamily(_n("temperature_pages"), "Pages by temperature.",
                              labels=["temperature"])

@@ -151,6 +151,7 @@ def _forms(store: PageStore, held: np.ndarray, slot_blobs: np.ndarray, live: np.
     warm_stored = int(lengths[pool_blobs & (blobs.form == WARM)].sum())
     cold_stored = int(lengths[pool_blobs & (blobs.form != WARM)].sum())
     cold_pages = pool_pages - warm_pages
+    returned = store.slots.rtime[held] != 0
     recompressor = store.recompressor
     return {
         "warm_pages": warm_pages,
@@ -163,7 +164,9 @@ def _forms(store: PageStore, held: np.ndarray, slot_blobs: np.ndarray, live: np.
         "disk_pages": len(slot_blobs) - pool_pages,
         # read back and not written since: the kernel may still need them (swap cache, a
         # clean eviction) or may have freed their slots without telling the device
-        "returned_pages": int(np.count_nonzero(store.slots.rtime[held])),
+        "returned_pages": int(np.count_nonzero(returned)),
+        # of those, the ones still in memory (policy.returned_to_disk moves them out)
+        "returned_pool_pages": int(np.count_nonzero(returned & in_pool)),
         "recompress_backlog": recompressor.backlog(),
         "recompressed_pages_total": store.counters.recompressed_pages,
         "recompress_cpu_seconds_total": round(recompressor.cpu_seconds, 6),

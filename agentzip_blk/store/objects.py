@@ -43,6 +43,7 @@ class Counters:
     dedup_compares: int = 0  # stored pages compared byte for byte with a page being written
     pingpong: int = 0  # pages written again within hot_threshold_ms of being read
     demotions: int = 0
+    returned_demotions: int = 0  # of those, copies of pages read back and kept in RAM
     promotions: int = 0
     direct_to_disk: int = 0  # new pages written straight to disk (pool at its cap)
     disk_full: int = 0

@@ -177,6 +177,9 @@ class PageStore:
         self.reclaim_bytes = self.tiers.reclaim_bytes
         self.reclaim_target = self.tiers.reclaim_target
         self.wake: Callable[[], None] = lambda: None  # set by the maintenance worker
+        # Whether the host is short of memory (the server's datapath.pressure.HostPressure):
+        # returned copies then go to the disk tier (policy.returned_to_disk: pressure).
+        self.pressure: Callable[[], bool] = lambda: False
         # stats for the server's `stats` verb, refreshed by the maintainer (accounting.StatsCache)
         self.snapshots = accounting.StatsCache(self.stats, time.monotonic)
 

@@ -5,7 +5,9 @@ Each blob carries its last access and last read tick. When the pool passes
 `reclaim_threshold` the coldest blobs move to the disk tier (copies written and synced
 before the pool cells are freed) until it is `HYSTERESIS_PERCENT` below; a read of a disk
 blob promotes it while the pool is below that target. Frames at most half used are
-recompressed without their dead pages; the pool is compacted when fragmented.
+recompressed without their dead pages; the pool is compacted when fragmented. A blob whose
+pages were all read back and stayed in RAM (returned) moves to disk under the host's memory
+pressure, whatever the pool's size: only a clean eviction by the kernel reads it again.
 
 The store wakes the maintainer when a write leaves the pool above its reclaim threshold;
 otherwise it looks every `interval` seconds. Each round works in chunks that take the store
@@ -15,6 +17,7 @@ lock briefly, so requests interleave with it.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,6 +43,9 @@ COMPACT_CHUNK = 256
 # compression (measured: 64 frames of 16 pages in 36 ms), so requests wait ~10 ms at most.
 REWRITE_CHUNK = 16
 REWRITE_ROUNDS = 8  # lock holds per maintenance round
+# chunks of returned blobs demoted per maintenance round: the pick scans the slot table
+# under the lock, so a round does a bounded share and the next round goes on
+RETURNED_ROUNDS = 8
 BACKLOG_INTERVAL = 0.05  # s between rounds while the recompressor has work
 
 
@@ -57,6 +63,7 @@ class Tiering:
     cold_grace_period: float = 30.0
     hot_cache_size: int = 4 << 20
     recompress_cpu: float = 0.25  # CPUs of thread time for packing warm pages (recompress)
+    returned_to_disk: str = "never"  # pressure | always | never (policy.returned_to_disk)
 
     @classmethod
     def from_config(cls, config) -> Tiering:
@@ -72,6 +79,7 @@ class Tiering:
             cold_grace_period=policy.cold_grace_period,
             hot_cache_size=policy.hot_cache_size,
             recompress_cpu=policy.recompress_cpu,
+            returned_to_disk=policy.returned_to_disk,
         )
 
 
@@ -123,30 +131,64 @@ class Tiers:
         is switched to its extent and its pool cell freed, and the extents of the others are
         freed. Copies are on disk before any cell goes, so a failing disk leaves every page
         in the pool."""
+        return self._demote(self._cold, limit)
+
+    def demote_returned(self, limit: int = DEMOTE_CHUNK) -> int:
+        """Demote up to `limit` pool blobs whose every page was read back and has stayed in
+        RAM for warm_threshold_ms; returns blobs moved. Such a copy is read again only if
+        the kernel evicts its page clean (swap cache), so it waits on disk, not in memory;
+        it is never dropped: the kernel may still read it (docs/ARCHITECTURE.md, "What the
+        kernel tells the device")."""
+        moved = self._demote(self._returned, limit)
+        with self.store.lock:
+            self.counters.returned_demotions += moved
+        return moved
+
+    def _cold(self, now: int) -> np.ndarray:
+        """Live pool blobs unaccessed for cold_grace_period, oldest first (under the lock)."""
+        blobs = self.objects.blobs
+        n = blobs.capacity
+        candidates = np.flatnonzero(
+            (blobs.ref[:n] > 0)
+            & (blobs.tier[:n] == POOL)
+            & (now - blobs.atime[:n].astype(np.int64) >= self.store.cold_ticks)
+        )
+        return candidates[np.argsort(blobs.atime[candidates], kind="stable")]
+
+    def _returned(self, now: int) -> np.ndarray:
+        """Live pool blobs all of whose references are slots read since their last write,
+        the last read warm_threshold_ms ago or more, least recently read first (under the
+        lock). A blob with one slot not read back (its page is out, a fault will come) stays."""
+        blobs, slots = self.objects.blobs, self.store.slots
+        n = blobs.capacity
+        held = slots.blob_slots()
+        owners = slots.handle[held].astype(np.int64)
+        back = np.bincount(owners[slots.rtime[held] != 0], minlength=n)[:n]
+        last_read = blobs.rtime[:n].astype(np.int64)
+        candidates = np.flatnonzero(
+            (back > 0)
+            & (back == blobs.ref[:n])
+            & (blobs.tier[:n] == POOL)
+            & (last_read > 0)
+            & (now - last_read >= self.store.warm_ticks)
+        )
+        return candidates[np.argsort(last_read[candidates], kind="stable")]
+
+    def _demote(self, pick: Callable[[int], np.ndarray], limit: int) -> int:
         if self.disk is None:
             return 0
         # One demotion at a time (the maintainer, and `reclaim` from the control thread):
         # two would pick the same candidates, and the loser's empty round would end its
         # caller's loop early. Taken before the store lock, never inside it.
         with self._demoting:
-            return self._demote_cold(limit)
+            return self._demote_picked(pick, limit)
 
-    def _demote_cold(self, limit: int) -> int:
+    def _demote_picked(self, pick: Callable[[int], np.ndarray], limit: int) -> int:
         store, objects, disk = self.store, self.objects, self.disk
         blobs = objects.blobs
         batch: list[tuple[int, int, int, bytes]] = []  # blob, generation, extent, bytes
         with store.lock:
-            now = store.now()
-            n = blobs.capacity
-            candidates = np.flatnonzero(
-                (blobs.ref[:n] > 0)
-                & (blobs.tier[:n] == POOL)
-                & (now - blobs.atime[:n].astype(np.int64) >= store.cold_ticks)
-            )
-            if not len(candidates):
-                return 0
-            oldest = candidates[np.argsort(blobs.atime[candidates], kind="stable")][:limit]
-            for blob in oldest.tolist():
+            for blob in pick(store.now())[:limit].tolist():
                 length = int(blobs.length[blob])
                 try:
                     offset = disk.alloc(length)
@@ -352,9 +394,16 @@ class Tiers:
         with store.lock:
             return blobs.adopt(arrays)
 
+    def _returned_go_to_disk(self) -> bool:
+        mode = self.store.tiering.returned_to_disk
+        if self.disk is None or mode == "never":
+            return False
+        return mode == "always" or self.store.pressure()
+
     def maintain(self) -> dict:
         """One round of background work: size the dedup index ahead of need, drop the dead
-        pages of sparse frames, demote while above the threshold, then compact."""
+        pages of sparse frames, pack warm pages, move returned copies to disk under host
+        memory pressure, demote while above the threshold, then compact."""
         self.resize_index()
         self.grow_blob_table()
         rewritten = 0
@@ -370,8 +419,14 @@ class Tiers:
         if recompressed:
             with self.store.lock:  # 16 warm rows became one frame's: give the top back
                 self.objects.blobs.release_tail()
-        reclaiming = self.pool.allocated_bytes >= self.reclaim_bytes
         demoted = 0
+        if self._returned_go_to_disk():
+            for _ in range(RETURNED_ROUNDS):
+                moved = self.demote_returned()
+                demoted += moved
+                if moved < DEMOTE_CHUNK:
+                    break
+        reclaiming = self.pool.allocated_bytes >= self.reclaim_bytes
         while reclaiming and self.pool.allocated_bytes > self.reclaim_target:
             moved = self.demote_cold()
             if not moved:

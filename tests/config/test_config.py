@@ -146,6 +146,7 @@ def valid_configs(draw):
             "hot_cache_size": draw(st.integers(0, 1 << 34)),
             "pressure_target": draw(st.floats(0.001, 100)),
             "recompress_cpu": draw(st.floats(0, 64)),
+            "returned_to_disk": draw(st.sampled_from(["pressure", "always", "never"])),
         },
         "scopes": draw(st.lists(st.fixed_dictionaries(
             {"cgroup": st.from_regex(r"[a-z*?.-]{1,20}(\[[a-z]+\])?", fullmatch=True), "enabled": st.booleans()}),
