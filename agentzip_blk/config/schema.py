@@ -89,6 +89,8 @@ class PolicyConfig:
 
 
 RETURNED_TO_DISK = ("pressure", "always", "never")
+
+
 @dataclass
 class Scope:
     cgroup: str  # fnmatch-style glob

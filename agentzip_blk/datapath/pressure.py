@@ -28,7 +28,7 @@ class HostPressure:
         self._stall_us, self._meminfo, self._clock = stall_us, meminfo, clock
         self._last: tuple[float, int] | None = None
         self._until = float("-inf")
-        self.seen = 0  # times pressure was found (the stats' pressure_seen)
+        self.seen = 0  # looks that found pressure (stats: server.host_pressure_seen)
 
     def __call__(self) -> bool:
         now = self._clock()

@@ -43,8 +43,8 @@ COMPACT_CHUNK = 256
 # compression (measured: 64 frames of 16 pages in 36 ms), so requests wait ~10 ms at most.
 REWRITE_CHUNK = 16
 REWRITE_ROUNDS = 8  # lock holds per maintenance round
-# chunks of returned blobs demoted per maintenance round: the pick scans the slot table
-# under the lock, so a round does a bounded share and the next round goes on
+# chunks of returned blobs demoted per maintenance round, from one scan of the slot table
+# (under the lock): a round does a bounded share and the next round goes on
 RETURNED_ROUNDS = 8
 BACKLOG_INTERVAL = 0.05  # s between rounds while the recompressor has work
 
@@ -134,12 +134,29 @@ class Tiers:
         return self._demote(self._cold, limit)
 
     def demote_returned(self, limit: int = DEMOTE_CHUNK) -> int:
-        """Demote up to `limit` pool blobs whose every page was read back and has stayed in
+        """Demote up to RETURNED_ROUNDS chunks of `limit` pool blobs whose every page was read back and has stayed in
         RAM for warm_threshold_ms; returns blobs moved. Such a copy is read again only if
         the kernel evicts its page clean (swap cache), so it waits on disk, not in memory;
         it is never dropped: the kernel may still read it (docs/ARCHITECTURE.md, "What the
         kernel tells the device")."""
-        moved = self._demote(self._returned, limit)
+        blobs = self.objects.blobs
+        # One scan of the slot table for the round, then chunks: a chunk keeps only the
+        # blobs whose references are still the returned slots counted then (a write since
+        # took or added one) and still unread for warm_threshold_ms.
+        with self.store.lock:
+            candidates, back = self._returned(self.store.now())
+        moved = 0
+        for start in range(0, min(len(candidates), limit * RETURNED_ROUNDS), limit):
+            ids, refs = candidates[start : start + limit], back[start : start + limit]
+
+            def still(now: int, ids: np.ndarray = ids, refs: np.ndarray = refs) -> np.ndarray:
+                return ids[(blobs.ref[ids] == refs) & (blobs.tier[ids] == POOL)
+                           & (now - blobs.rtime[ids].astype(np.int64) >= self.store.warm_ticks)]
+
+            done = self._demote(still, limit)
+            moved += done
+            if not done:  # the disk is full or failing: the next round tries again
+                break
         with self.store.lock:
             self.counters.returned_demotions += moved
         return moved
@@ -155,10 +172,11 @@ class Tiers:
         )
         return candidates[np.argsort(blobs.atime[candidates], kind="stable")]
 
-    def _returned(self, now: int) -> np.ndarray:
+    def _returned(self, now: int) -> tuple[np.ndarray, np.ndarray]:
         """Live pool blobs all of whose references are slots read since their last write,
         the last read warm_threshold_ms ago or more, least recently read first (under the
-        lock). A blob with one slot not read back (its page is out, a fault will come) stays."""
+        lock), and their reference counts. A blob with one slot not read back (its page is
+        out, a fault will come) stays."""
         blobs, slots = self.objects.blobs, self.store.slots
         n = blobs.capacity
         held = slots.blob_slots()
@@ -172,7 +190,8 @@ class Tiers:
             & (last_read > 0)
             & (now - last_read >= self.store.warm_ticks)
         )
-        return candidates[np.argsort(last_read[candidates], kind="stable")]
+        candidates = candidates[np.argsort(last_read[candidates], kind="stable")]
+        return candidates, back[candidates]
 
     def _demote(self, pick: Callable[[int], np.ndarray], limit: int) -> int:
         if self.disk is None:
@@ -421,11 +440,7 @@ class Tiers:
                 self.objects.blobs.release_tail()
         demoted = 0
         if self._returned_go_to_disk():
-            for _ in range(RETURNED_ROUNDS):
-                moved = self.demote_returned()
-                demoted += moved
-                if moved < DEMOTE_CHUNK:
-                    break
+            demoted += self.demote_returned()
         reclaiming = self.pool.allocated_bytes >= self.reclaim_bytes
         while reclaiming and self.pool.allocated_bytes > self.reclaim_target:
             moved = self.demote_cold()
