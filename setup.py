@@ -16,7 +16,8 @@ CFLAGS += os.environ.get("AGENTZIP_NATIVE_CFLAGS", "").split()
 
 setup(ext_modules=[Extension(
     "agentzip_blk.datapath.nativeloop",
-    sources=["agentzip_blk/datapath/nativeloop.c"],
+    sources=["agentzip_blk/datapath/nativeloop.c", "agentzip_blk/datapath/nativestore.c"],
+    depends=["agentzip_blk/datapath/nativestore.h"],
     libraries=["lz4", "pthread"],
     extra_compile_args=CFLAGS,
     extra_link_args=os.environ.get("AGENTZIP_NATIVE_LDFLAGS", "").split(),

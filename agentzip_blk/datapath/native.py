@@ -13,8 +13,10 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ..codec import codecs
 from ..store import PageStore
 from ..store import integrity
+from ..store.dedup import MAX_BLOBS, PageHasher
 from .latency import BUCKETS
 
 try:
@@ -74,14 +76,21 @@ class NativePath:
         self.store = store
         self._path = nativeloop.Path(store.lock, store.size, store.clock_origin, list(BUCKETS),
                                   integrity.CHECKSUMS)
+        self.writes = writes_served(store)
         with store.lock:
             store.on_tables_moved = self._bind
             store.outside = self.counters
             self._bind()
+            placer = store.placer
+            self._path.set_writes(
+                enabled=self.writes, dedup=placer.dedup,
+                seed=placer.hasher.seed if isinstance(placer.hasher, PageHasher) else 0,
+                hot_ticks=store.hot_ticks, reclaim_bytes=store.reclaim_bytes,
+                max_blobs=MAX_BLOBS, doorbell=store.doorbell.fd)
 
     def _bind(self) -> None:
         """Under the store lock: the tables' current addresses and tick base."""
-        self._path.bind(self.store.columns(), self.store.tick_base)
+        self._path.bind(self.store.columns(), self.store.tick_base, self.store.frame_pages)
 
     def close(self) -> None:
         """Stop serving from the tables (every request is handed up from now on)."""
@@ -95,10 +104,25 @@ class NativePath:
         return self._path.serve(fd, rbuf, wbuf)
 
     def counters(self) -> dict:
-        """reads, pages_read, bytes_read, handed_up, in_flight, reply_errors, latency."""
+        """What it served (reads, writes, their pages and bytes, the dedup and ping-pong
+        counts of its writes), requests handed up (`handed_up`, and `handed_up_by` reason),
+        in_flight, reply_errors, and the latency histograms."""
         return self._path.counters()
 
-    def latency(self) -> tuple[list[int], float]:
+    def read_latency(self) -> tuple[list[int], float]:
         """The native reads' latency histogram (latency.BUCKETS) and its sum in seconds."""
-        c = self._path.counters()
-        return c["latency_counts"], c["latency_sum_s"]
+        return self._path.counters()["read_latency"]
+
+    def write_latency(self) -> tuple[list[int], float]:
+        return self._path.counters()["write_latency"]
+
+
+def writes_served(store: PageStore) -> bool:
+    """Whether the native path stores this store's writes: warm pages are lz4 at the default
+    acceleration without a dictionary (what nativestore.c writes), and pages are hashed with
+    the store's keyed hash (a test's weak hasher is Python's alone). Otherwise every write is
+    handed up, and frames at once (warm_algorithm: none) are Python's."""
+    warm = store.warm_codec
+    if warm is None or warm.id != codecs.LZ4 or getattr(warm, "acceleration", None) != 1:
+        return False
+    return not store.placer.dedup or isinstance(store.placer.hasher, PageHasher)

@@ -134,7 +134,8 @@ class Server:
         threads = self.options.fuse_threads or fuse.DEFAULT_THREADS
         if self.datapath.path == "native":
             self.native = native.NativePath(self.store)
-            self.latency.read.sources.append(self.native.latency)
+            self.latency.read.sources.append(self.native.read_latency)
+            self.latency.write.sources.append(self.native.write_latency)
         self.fuse = fuse.serve_server(self, self.options.fuse, threads, self.native)
 
     def stop(self) -> None:
@@ -315,7 +316,9 @@ class Server:
         out = {"path": self.datapath.path, "reason": self.datapath.reason}
         if self.native is not None:
             counters = self.native.counters()
-            for key in ("reads", "pages_read", "bytes_read", "handed_up", "reply_errors"):
+            out["native_writes_served"] = self.native.writes
+            for key in ("reads", "pages_read", "bytes_read", "writes", "pages_written",
+                        "bytes_written", "handed_up", "handed_up_by", "reply_errors"):
                 out[f"native_{key}"] = counters[key]
         return out
 

@@ -127,13 +127,18 @@ def stats(store: PageStore) -> dict:
 
 
 def _counters(store: PageStore) -> dict:
-    """The request counters, with the reads another request path served from the same
+    """The request counters, with the requests another request path served from the same
     tables (the native path: PageStore.outside)."""
     counters = asdict(store.counters)
     outside = store.outside()
-    counters["reads"] += outside.get("reads", 0)
-    counters["bytes_read"] += outside.get("bytes_read", 0)
+    for key in OUTSIDE_COUNTERS:
+        counters[key] += outside.get(key, 0)
     return counters
+
+
+# what a request path outside Python counts of the store's request counters (objects.Counters)
+OUTSIDE_COUNTERS = ("reads", "bytes_read", "writes", "bytes_written", "dedup_hits",
+                    "dedup_compares", "hash_collisions", "pingpong")
 
 
 def _forms(store: PageStore, held: np.ndarray, slot_blobs: np.ndarray, live: np.ndarray,

@@ -40,6 +40,7 @@ from .cache import HotCache
 from .dedup import SUB_BITS, DedupIndex, HashFn
 from .integrity import Corrupt
 from .disk import DiskTier
+from .doorbell import Doorbell
 from .objects import Counters, Deferred, Objects
 from .placement import Placer, Prepared
 from .pool import Pool
@@ -156,7 +157,7 @@ class PageStore:
         self.outside: Callable[[], dict[str, int]] = dict
         # Runs under the lock when a table the native path reads by address is replaced.
         self.on_tables_moved: Callable[[], None] = lambda: None
-        self.blobs.on_moved = self.pool.on_moved = self._tables_moved
+        self.blobs.on_moved = self.pool.on_moved = self.index.on_moved = self._tables_moved
         self._clock = clock
         self._t0 = clock()
         self._tick_base = 0
@@ -176,7 +177,8 @@ class PageStore:
         self.objects.promote = self.tiers.promote
         self.reclaim_bytes = self.tiers.reclaim_bytes
         self.reclaim_target = self.tiers.reclaim_target
-        self.wake: Callable[[], None] = lambda: None  # set by the maintenance worker
+        # rung when the store needs its maintainer now (tiering.Maintainer waits on it)
+        self.doorbell = Doorbell()
         # Whether the host is short of memory (the server's datapath.pressure.HostPressure):
         # returned copies then go to the disk tier (policy.returned_to_disk: pressure).
         self.pressure: Callable[[], bool] = lambda: False
@@ -214,21 +216,31 @@ class PageStore:
         outside = self.outside().get("in_flight", 0)
         return max(0, self._started_n - self._finished_n) + outside
 
+    def wake(self) -> None:
+        """Ask the maintainer to come now."""
+        self.doorbell.ring()
+
     def _tables_moved(self) -> None:
         self.on_tables_moved()
 
     def columns(self) -> dict[str, np.ndarray]:
-        """Under the lock: the table columns a request path outside Python reads and
-        writes by address (datapath.native): valid until `on_tables_moved` runs."""
-        blobs, pool = self.blobs, self.pool
+        """Under the lock: the books a request path outside Python reads and writes by
+        address (datapath.native), valid until `on_tables_moved` runs. Its rows of `members`
+        are `frame_pages` wide."""
+        slots, blobs, pool, index = self.slots, self.blobs, self.pool, self.index
+        fps, vals = index.arrays()
         return {
-            "kind": self.slots.kind, "handle": self.slots.handle, "slot_rtime": self.slots.rtime,
+            "kind": slots.kind, "handle": slots.handle, "sub": slots.sub,
+            "slot_rtime": slots.rtime, "chunk_live": slots.chunk_live,
+            "chunk_touched": slots.chunk_touched, "slot_state": slots.state,
             "arena": blobs.arena, "cell": blobs.cell, "tier": blobs.tier,
             "length": blobs.length, "pages": blobs.pages, "codec": blobs.codec,
             "dict_id": blobs.dict_id, "ref": blobs.ref, "atime": blobs.atime,
-            "rtime": blobs.rtime, "csum": blobs.csum,
-            "arena_addr": pool.arena_addr, "arena_class": pool.arena_classes(),
-            "class_cell": pool.class_cell,
+            "rtime": blobs.rtime, "csum": blobs.csum, "gen": blobs.gen, "form": blobs.form,
+            "members": blobs.members, "blob_state": blobs.state,
+            "index_fps": fps, "index_vals": vals, "index_state": index.state,
+            **pool.columns(),
+            "codec_pages": self.objects.codec_pages,
         }
 
     @property
@@ -636,3 +648,4 @@ class PageStore:
             self._release_slots(0, self.nslots)
             if self.disk is not None:
                 self.disk.close()
+        self.doorbell.close()

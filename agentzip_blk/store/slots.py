@@ -119,7 +119,17 @@ class SlotTable:
         nchunks = -(-nslots // CHUNK_SLOTS)
         self.chunk_live = np.zeros(nchunks, dtype=np.int32)  # slots in use per chunk
         self.chunk_touched = np.zeros(nchunks, dtype=bool)  # chunks ever written
-        self.same_pages = 0
+        # same-filled slots, in an array the native request path counts in too
+        self.state = np.zeros(1, dtype=np.int64)
+        self._state = memoryview(self.state)
+
+    @property
+    def same_pages(self) -> int:
+        return self._state[0]
+
+    @same_pages.setter
+    def same_pages(self, value: int) -> None:
+        self._state[0] = value
 
     @staticmethod
     def chunks(first: int, count: int) -> tuple[int, int]:
