@@ -18,7 +18,7 @@
 # - /usr/lib/agentzip-blk/libagentzip-mlock.so: nbdfuse's mlockall preload shim (host/chain.py),
 #   compiled here so that `up` needs no C compiler on the host.
 # - agentzip_blk/datapath/nativeloop*.so: the native request path, compiled here for Debian's
-#   python3 (setup.py builds the same source into the venv); liblz4-1 in Depends.
+#   python3 (setup.py builds the same source into the venv); liblz4-1 and libzstd1 in Depends.
 #   Those ELF objects make the package Architecture: amd64 (the build host's), not all:
 #   lintian rejects ELF files in an arch-independent package, and neither can be avoided.
 # - the systemd units in /usr/lib/systemd/system (install-units with --unit-dir), the default
@@ -86,14 +86,16 @@ EOF
 # nbdfuse's mlock shim, compiled now (hardening flags as dpkg-buildflags gives them)
 PYTHONPATH=$ROOT "$PYTHON" -m agentzip_blk.host.chain "$S/$LIBDIR/libagentzip-mlock.so" \
     -g0 -fstack-protector-strong -D_FORTIFY_SOURCE=2 -Wl,-z,relro -Wl,-z,now >/dev/null
-# the native request path (agentzip_blk/datapath/nativeloop.c), for Debian's python3 (Depends)
-for header in /usr/include/lz4.h /usr/include/xxhash.h; do
-    [ -f "$header" ] || die "$header not found (apt-get install liblz4-dev libxxhash-dev python3-dev)"
+# the native request path (agentzip_blk/datapath/nativeloop.c, nativestore.c), for Debian's
+# python3 (Depends)
+for header in /usr/include/lz4.h /usr/include/xxhash.h /usr/include/zstd.h; do
+    [ -f "$header" ] || die "$header not found (apt-get install liblz4-dev libxxhash-dev libzstd-dev python3-dev)"
 done
 EXT_SUFFIX=$(/usr/bin/python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
 cc -shared -fPIC -O2 -g0 -std=gnu11 -fstack-protector-strong -D_FORTIFY_SOURCE=2 \
     $(/usr/bin/python3-config --includes) agentzip_blk/datapath/nativeloop.c \
-    -Wl,-z,relro -Wl,-z,now -llz4 -lpthread \
+    agentzip_blk/datapath/nativestore.c \
+    -Wl,-z,relro -Wl,-z,now -llz4 -lzstd -lpthread \
     -o "$S/$LIBDIR/agentzip_blk/datapath/nativeloop$EXT_SUFFIX"
 find "$S/$LIBDIR" -name '*.so' -exec strip --strip-unneeded --remove-section=.comment \
     --remove-section=.note {} +
@@ -122,7 +124,7 @@ DEPENDS="nbdkit, nbdkit-plugin-python, fuse3, util-linux (>= 2.38), mount, pytho
 DEPENDS+=" python3-numpy (>= 1:1.24), python3-yaml (>= 6.0), python3-tqdm (>= 4.64),"
 DEPENDS+=" python3-prometheus-client (>= 0.16), python3-sortedcontainers (>= 2.4),"
 DEPENDS+=" python3-lz4 (>= 4.0.2), python3-xxhash (>= 3.2), python3-cryptography (>= 38), libc6,"
-DEPENDS+=" liblz4-1"  # the native request path (xxhash is compiled in)
+DEPENDS+=" liblz4-1, libzstd1"  # the native request path (xxhash is compiled in)
 SIZE=$(du -sk --exclude=DEBIAN "$S" | cut -f1)
 sed -e "s/@VERSION@/$VERSION/" -e "s/@ARCH@/$ARCH/" -e "s/@SIZE@/$SIZE/" -e "s/@DEPENDS@/$DEPENDS/" \
     "$DEB/control.in" > "$S/DEBIAN/control"

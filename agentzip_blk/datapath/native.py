@@ -77,9 +77,11 @@ class NativePath:
         self._path = nativeloop.Path(store.lock, store.size, store.clock_origin, list(BUCKETS),
                                   integrity.CHECKSUMS)
         self.writes = writes_served(store)
+        self.packs = packs_served(store)
         with store.lock:
             store.on_tables_moved = self._bind
             store.outside = self.counters
+            store.outside_drop_idle = self._path.drop_idle
             self._bind()
             placer = store.placer
             self._path.set_writes(
@@ -87,6 +89,9 @@ class NativePath:
                 seed=placer.hasher.seed if isinstance(placer.hasher, PageHasher) else 0,
                 hot_ticks=store.hot_ticks, reclaim_bytes=store.reclaim_bytes,
                 max_blobs=MAX_BLOBS, doorbell=store.doorbell.fd)
+            if self.packs:
+                self._path.set_packing(store.frame_pages, store.codecs.writer.level)
+                store.recompressor.native_pack = self.pack
 
     def _bind(self) -> None:
         """Under the store lock: the tables' current addresses and tick base."""
@@ -97,11 +102,18 @@ class NativePath:
         with self.store.lock:
             self._path.unbind()
             self.store.on_tables_moved = lambda: None
+            self.store.outside_drop_idle = lambda seconds: None
+            self.store.recompressor.native_pack = None
 
     def serve(self, fd: int, rbuf, wbuf) -> int:
         """Serve requests from `fd` until one needs Python: its length (it is in `rbuf`),
         0 at end of file, or -errno when read(2) failed."""
         return self._path.serve(fd, rbuf, wbuf)
+
+    def pack(self, blobs, gens, slots) -> tuple[int, int, int, int, bool]:
+        """The recompressor's pass over warm blobs held by one slot each (store.recompress):
+        (switched, raced, kept, bad, room). Takes the store lock itself."""
+        return self._path.pack(blobs.tobytes(), gens.tobytes(), slots.tobytes())
 
     def counters(self) -> dict:
         """What it served (reads, writes, their pages and bytes, the dedup and ping-pong
@@ -115,6 +127,16 @@ class NativePath:
 
     def write_latency(self) -> tuple[list[int], float]:
         return self._path.counters()["write_latency"]
+
+
+def packs_served(store: PageStore) -> bool:
+    """Whether the native path packs this store's warm pages (store.recompress): they are
+    lz4 or raw (what it decodes), and frames are zstd (what it writes, without a
+    dictionary: in frames the dictionaries measured 0-0.5%, BENCHMARKS.md "Dictionaries in
+    frames")."""
+    warm = store.warm_codec
+    return (warm is not None and warm.id == codecs.LZ4
+            and store.codecs.writer.id == codecs.ZSTD)
 
 
 def writes_served(store: PageStore) -> bool:

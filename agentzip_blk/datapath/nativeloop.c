@@ -31,10 +31,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
 #include <lz4.h>
+#define ZSTD_STATIC_LINKING_ONLY /* ZSTD_c_format / ZSTD_d_format: magicless frames */
+#include <zstd.h>
 
 #include "nativestore.h"
 
@@ -178,10 +181,16 @@ typedef struct {
     int checksums;
     double bounds[NBUCKETS_MAX];
     int nbounds;
+    FrameCache fc;   /* under lock->mu */
     /* counters: atomics, read by Python without the lock */
     StoreCounters c;
     atomic_ullong handed_up, in_flight, reply_errors;
     Histogram read_latency, write_latency;
+    /* the recompressor's packer (one caller at a time: pack_mu) */
+    pthread_mutex_t pack_mu;
+    ZSTD_CCtx *pack_cctx;
+    int pack_level, pack_pages;
+    atomic_ullong packed, pack_raced, pack_kept, pack_bad;
 } Path;
 
 static double monotonic(void) {
@@ -191,6 +200,11 @@ static double monotonic(void) {
 }
 
 static void Path_dealloc(Path *self) {
+    if (self->pack_cctx)
+        ZSTD_freeCCtx(self->pack_cctx);
+    if (self->fc.data)
+        munmap(self->fc.data, (size_t)FRAME_CACHE_ENTRIES * FRAME_BYTES);
+    pthread_mutex_destroy(&self->pack_mu);
     Py_XDECREF(self->lock);
     Py_XDECREF(self->keep);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -232,6 +246,9 @@ static int Path_init(Path *self, PyObject *args, PyObject *kw) {
     memset(&self->wp, 0, sizeof self->wp);
     self->wp.doorbell = -1;
     self->wp.checksums = checksums;
+    memset(&self->fc, 0, sizeof self->fc);
+    pthread_mutex_init(&self->pack_mu, NULL);
+    self->pack_cctx = NULL;
     return 0;
 }
 
@@ -445,6 +462,54 @@ static int hand_up(Path *self, int reason) {
     return reason;
 }
 
+/* Per worker thread: what a request needs besides the request and reply buffers (~1.8 MiB,
+ * made once, so that no request allocates on the swap-in or swap-out path): the prepared
+ * pages of a write and their compressed bytes, a read's plan, the stored bytes of the dense
+ * blobs it decodes after the lock and their decoded frames, and a zstd context. */
+#define READ_JOBS_ROOM (8 * MAX_FRAME_PAGES * MAX_COMPRESSED)
+typedef struct {
+    WritePage pages[MAX_PAGES];
+    LZ4_stream_t lz4;
+    uint8_t scratch[MAX_PAGES * MAX_COMPRESSED];
+    ReadPlan plan;
+    uint8_t stored[READ_JOBS_ROOM];
+    uint8_t frames[8 * FRAME_BYTES];
+    ZSTD_DCtx *dctx;
+} ThreadScratch;
+
+static pthread_key_t scratch_key;
+
+static void scratch_free(void *p) {
+    ThreadScratch *s = p;
+    ZSTD_freeDCtx(s->dctx);
+    free(s);
+}
+
+static ZSTD_DCtx *magicless_dctx(void) {
+    ZSTD_DCtx *d = ZSTD_createDCtx();
+    if (d && ZSTD_isError(ZSTD_DCtx_setParameter(d, ZSTD_d_format, ZSTD_f_zstd1_magicless))) {
+        ZSTD_freeDCtx(d);
+        d = NULL;
+    }
+    return d;
+}
+
+static ThreadScratch *thread_scratch(void) {
+    ThreadScratch *s = pthread_getspecific(scratch_key);
+    if (s == NULL) {
+        s = malloc(sizeof *s);
+        if (s == NULL)
+            return NULL;
+        s->dctx = magicless_dctx();
+        if (s->dctx == NULL || pthread_setspecific(scratch_key, s) != 0) {
+            ZSTD_freeDCtx(s->dctx);
+            free(s);
+            return NULL;
+        }
+    }
+    return s;
+}
+
 /* A READ request of `n` bytes in `r`: SERVED (answered), or the reason it is handed up. */
 static int serve_read(Path *self, int fd, const uint8_t *r, ssize_t n, uint8_t *w, size_t wlen) {
     uint64_t unique, nodeid, offset;
@@ -464,17 +529,32 @@ static int serve_read(Path *self, int fd, const uint8_t *r, ssize_t n, uint8_t *
         len = MAX_IO;
     if (len == 0 || len % PAGE || OUT_HEADER + len > wlen)
         return hand_up(self, UP_SHAPE);
+    ThreadScratch *s = thread_scratch();
+    if (s == NULL)
+        return hand_up(self, UP_READ_BLOB);
     atomic_fetch_add(&self->in_flight, 1);
     double t0 = monotonic();
     int result = UP_UNBOUND;
+    uint8_t *out = w + OUT_HEADER;
+    uint64_t count = len / PAGE;
     pthread_mutex_lock(&self->lock->mu);
     if (self->bound) {
         int64_t now = store_now(self->t0, self->tick_base);
         if (now < TICK_REBASE && now >= 1) /* else Python rebases the ticks */
-            result = native_read(&self->t, self->checksums, now, offset / PAGE, len / PAGE,
-                                 w + OUT_HEADER);
+            result = native_read(&self->t, &self->fc, self->checksums, now, offset / PAGE, count,
+                                 out, &s->plan, s->stored, sizeof s->stored);
     }
     pthread_mutex_unlock(&self->lock->mu);
+    if (result == SERVED && s->plan.njobs) { /* dense blobs: decoded without the lock */
+        result = finish_read(&s->plan, s->stored, self->checksums, s->dctx, s->frames, out,
+                             count);
+        if (result == SERVED) {
+            pthread_mutex_lock(&self->lock->mu);
+            if (self->bound)
+                cache_frames(&self->t, &self->fc, &s->plan, s->frames, (int)s->plan.njobs);
+            pthread_mutex_unlock(&self->lock->mu);
+        }
+    }
     double elapsed = monotonic() - t0;
     atomic_fetch_sub(&self->in_flight, 1);
     if (result != SERVED)
@@ -485,28 +565,6 @@ static int serve_read(Path *self, int fd, const uint8_t *r, ssize_t n, uint8_t *
     atomic_fetch_add(&self->c.bytes_read, len);
     observe(self, &self->read_latency, elapsed);
     return SERVED;
-}
-
-/* Per worker thread: the prepared pages and their compressed bytes (~800 KiB, made once,
- * so that no request allocates on the swap-out path). */
-typedef struct {
-    WritePage pages[MAX_PAGES];
-    LZ4_stream_t lz4;
-    uint8_t scratch[MAX_PAGES * MAX_COMPRESSED];
-} WriteScratch;
-
-static pthread_key_t scratch_key;
-
-static WriteScratch *thread_scratch(void) {
-    WriteScratch *s = pthread_getspecific(scratch_key);
-    if (s == NULL) {
-        s = malloc(sizeof *s);
-        if (s != NULL && pthread_setspecific(scratch_key, s) != 0) {
-            free(s);
-            s = NULL;
-        }
-    }
-    return s;
 }
 
 /* A WRITE request of `n` bytes in `r`: SERVED (answered), or the reason it is handed up. */
@@ -523,7 +581,7 @@ static int serve_write(Path *self, int fd, const uint8_t *r, ssize_t n, uint8_t 
         offset >= self->size || size > self->size - offset ||
         (uint64_t)n < (uint64_t)IN_HEADER + RW_IN + size || wlen < OUT_HEADER + WRITE_OUT)
         return hand_up(self, UP_SHAPE);
-    WriteScratch *s = thread_scratch();
+    ThreadScratch *s = thread_scratch();
     if (s == NULL)
         return hand_up(self, UP_WRITE_ROOM);
     atomic_fetch_add(&self->in_flight, 1);
@@ -594,6 +652,97 @@ static PyObject *Path_serve(Path *self, PyObject *args) {
     return PyLong_FromSsize_t(result);
 }
 
+/* set_packing(frame_pages, level): the recompressor's frames (compression.frame_pages,
+ * algorithm zstd at `level`), as Placer.store_group compresses them: magicless frames
+ * without content size, checksum or dictionary id, parameters for the frame's size. */
+static PyObject *Path_set_packing(Path *self, PyObject *args) {
+    int pages, level;
+    if (!PyArg_ParseTuple(args, "ii", &pages, &level))
+        return NULL;
+    if (pages < 1 || pages > MAX_FRAME_PAGES || level < 1 || level > ZSTD_maxCLevel()) {
+        PyErr_SetString(PyExc_ValueError, "set_packing: frame pages 1-16, a zstd level");
+        return NULL;
+    }
+    ZSTD_CCtx *c = ZSTD_createCCtx();
+    if (c == NULL)
+        return PyErr_NoMemory();
+    size_t e = 0;
+    e |= ZSTD_isError(ZSTD_CCtx_setParameter(c, ZSTD_c_compressionLevel, level));
+    e |= ZSTD_isError(ZSTD_CCtx_setParameter(c, ZSTD_c_format, ZSTD_f_zstd1_magicless));
+    e |= ZSTD_isError(ZSTD_CCtx_setParameter(c, ZSTD_c_contentSizeFlag, 0));
+    e |= ZSTD_isError(ZSTD_CCtx_setParameter(c, ZSTD_c_checksumFlag, 0));
+    e |= ZSTD_isError(ZSTD_CCtx_setParameter(c, ZSTD_c_dictIDFlag, 0));
+    e |= ZSTD_isError(ZSTD_CCtx_setParameter(c, ZSTD_c_srcSizeHint, pages * PAGE));
+    if (e) {
+        ZSTD_freeCCtx(c);
+        PyErr_SetString(PyExc_RuntimeError, "set_packing: libzstd refused a parameter");
+        return NULL;
+    }
+    pthread_mutex_lock(&self->pack_mu);
+    if (self->pack_cctx)
+        ZSTD_freeCCtx(self->pack_cctx);
+    self->pack_cctx = c;
+    self->pack_level = level;
+    self->pack_pages = pages;
+    pthread_mutex_unlock(&self->pack_mu);
+    Py_RETURN_NONE;
+}
+
+/* pack(blobs, gens, slots) -> (switched, raced, kept, bad, room): the recompressor's pass for
+ * warm blobs held by one slot each (uint32, uint32, uint64 arrays of one length, in slot
+ * order); takes the store lock itself, so the caller must not hold it. */
+static PyObject *Path_pack(Path *self, PyObject *args) {
+    Py_buffer b, g, sl;
+    if (!PyArg_ParseTuple(args, "y*y*y*", &b, &g, &sl))
+        return NULL;
+    uint64_t n = (uint64_t)b.len / 4;
+    PackResult r;
+    memset(&r, 0, sizeof r);
+    int result = SERVED;
+    if ((uint64_t)g.len != n * 4 || (uint64_t)sl.len != n * 8) {
+        PyBuffer_Release(&b);
+        PyBuffer_Release(&g);
+        PyBuffer_Release(&sl);
+        PyErr_SetString(PyExc_ValueError, "pack: blobs, gens (uint32) and slots (uint64) of one length");
+        return NULL;
+    }
+    ZSTD_DCtx *unused = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->pack_mu);
+    if (self->pack_cctx == NULL || !self->bound) {
+        result = UP_UNBOUND;
+    } else {
+        result = native_pack(&self->t, &self->wp, &self->lock->mu, b.buf, g.buf, sl.buf, n,
+                             self->pack_pages, self->pack_cctx, unused, &r);
+    }
+    pthread_mutex_unlock(&self->pack_mu);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
+    PyBuffer_Release(&g);
+    PyBuffer_Release(&sl);
+    if (result == UP_UNBOUND) {
+        PyErr_SetString(PyExc_RuntimeError, "pack: not bound, or set_packing not called");
+        return NULL;
+    }
+    atomic_fetch_add(&self->packed, r.switched);
+    atomic_fetch_add(&self->pack_raced, r.raced);
+    atomic_fetch_add(&self->pack_kept, r.kept);
+    atomic_fetch_add(&self->pack_bad, r.bad);
+    return Py_BuildValue("(KKKKO)", (unsigned long long)r.switched, (unsigned long long)r.raced,
+                         (unsigned long long)r.kept, (unsigned long long)r.bad,
+                         result == SERVED ? Py_True : Py_False);
+}
+
+/* drop_idle(seconds): under the store lock (the caller holds it), from the maintainer: the
+ * native frame cache's entries not used for that long go (HotCache.drop_idle). */
+static PyObject *Path_drop_idle(Path *self, PyObject *args) {
+    double idle;
+    if (!PyArg_ParseTuple(args, "d", &idle))
+        return NULL;
+    frame_cache_drop_idle(&self->fc, idle);
+    Py_RETURN_NONE;
+}
+
 static PyObject *histogram(Path *self, Histogram *h) {
     PyObject *counts = PyList_New(self->nbounds + 1);
     if (!counts)
@@ -625,12 +774,17 @@ static PyObject *Path_counters(Path *self, PyObject *unused) {
     StoreCounters *c = &self->c;
 #define U(x) (unsigned long long)atomic_load(&(x))
     return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsNsNsN}",
+        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsNsNsN}",
         "reads", U(c->reads), "pages_read", U(c->pages_read), "bytes_read", U(c->bytes_read),
         "writes", U(c->writes), "pages_written", U(c->pages_written),
         "bytes_written", U(c->bytes_written), "dedup_hits", U(c->dedup_hits),
         "dedup_compares", U(c->dedup_compares), "hash_collisions", U(c->hash_collisions),
         "pingpong", U(c->pingpong), "handed_up", U(self->handed_up),
+        "packed_pages", U(self->packed), "pack_raced", U(self->pack_raced),
+        "pack_kept", U(self->pack_kept), "pack_bad", U(self->pack_bad),
+        "frame_cache_hits", (unsigned long long)self->fc.hits,
+        "frame_cache_misses", (unsigned long long)self->fc.misses,
+        "frame_cache_bytes", (unsigned long long)frame_cache_bytes(&self->fc),
         "in_flight", U(self->in_flight), "reply_errors", U(self->reply_errors),
         "handed_up_by", reasons, "read_latency", histogram(self, &self->read_latency),
         "write_latency", histogram(self, &self->write_latency));
@@ -648,6 +802,10 @@ static PyMethodDef Path_methods[] = {
     {"set_writes", (PyCFunction)(void (*)(void))Path_set_writes, METH_VARARGS | METH_KEYWORDS,
      "set_writes(enabled, dedup, seed, hot_ticks, reclaim_bytes, max_blobs, doorbell), under the lock"},
     {"serve", (PyCFunction)Path_serve, METH_VARARGS, "serve(fd, rbuf, wbuf) -> int"},
+    {"set_packing", (PyCFunction)Path_set_packing, METH_VARARGS, "set_packing(frame_pages, level)"},
+    {"pack", (PyCFunction)Path_pack, METH_VARARGS,
+     "pack(blobs, gens, slots) -> (switched, raced, kept, bad, room); takes the lock itself"},
+    {"drop_idle", (PyCFunction)Path_drop_idle, METH_VARARGS, "drop_idle(seconds), under the lock"},
     {"counters", (PyCFunction)Path_counters, METH_NOARGS, "counters() -> dict"},
     {"in_flight", (PyCFunction)Path_in_flight, METH_NOARGS, "requests being served now"},
     {NULL, NULL, 0, NULL},
@@ -671,7 +829,7 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit_nativeloop(void) {
-    if (pthread_key_create(&scratch_key, free) != 0) {
+    if (pthread_key_create(&scratch_key, scratch_free) != 0) {
         PyErr_SetString(PyExc_OSError, "pthread_key_create");
         return NULL;
     }

@@ -11,6 +11,9 @@
 #include <lz4.h>
 #define XXH_INLINE_ALL
 #include <xxhash.h>
+#define ZSTD_STATIC_LINKING_ONLY /* for ZSTD_d_format / ZSTD_c_format: magicless frames */
+#include <zstd.h>
+#include <pthread.h>
 
 #define NO_CELL 0xFFFFFFFFu
 #define NO_ARENA (-1)
@@ -24,6 +27,8 @@
 #define INDEX_MAX_LOAD 0.7   /* dedup._MAX_LOAD */
 #define BLOB_GROW_AHEAD 0.75 /* blobs.GROW_AHEAD */
 #define ARENA_GROW_AHEAD 0.75 /* pool.GROW_AHEAD */
+
+static uint8_t *cell_addr(const Tables *t, int32_t a, uint32_t cell);
 
 int64_t store_now(double t0, int64_t tick_base) {
     struct timespec ts;
@@ -71,19 +76,61 @@ static int decode_page(const Tables *t, int checksums, uint32_t blob, const uint
     return LZ4_decompress_safe((const char *)src, (char *)out, len, PAGE) == PAGE;
 }
 
+/* A blob the native side decodes after the lock: zstd without a dictionary in a pool cell,
+ * a dense frame or a page alone (what Placer.store_group and the packer make). */
+static int dense_servable(const Tables *t, uint32_t blob) {
+    if (blob >= t->nblobs || t->ref[blob] == 0 || t->tier[blob] != TIER_POOL ||
+        t->dict_id[blob] != 0 || t->codec[blob] != CODEC_ZSTD)
+        return 0;
+    uint8_t pages = t->pages[blob];
+    int32_t a = t->arena[blob];
+    if (pages == 0 || pages > MAX_FRAME_PAGES || a < 0 || (uint64_t)a >= t->narenas ||
+        t->a_addr[a] == 0)
+        return 0;
+    int16_t cls = t->a_class[a];
+    uint16_t len = t->length[blob];
+    return cls >= 0 && (uint64_t)cls < t->nclasses && len > 0 && len <= t->class_cell[cls];
+}
+
+static double seconds_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static int cache_find(FrameCache *fc, uint32_t blob, uint32_t gen) {
+    if (fc->data == NULL)
+        return -1;
+    for (int c = 0; c < FRAME_CACHE_ENTRIES; c++)
+        if (fc->valid[c] && fc->blob[c] == blob && fc->gen[c] == gen)
+            return c;
+    return -1;
+}
+
+#define MAX_JOBS 8 /* frames one request decodes after the lock; more: Python's */
+
 /* PageStore._readinto_few for an aligned READ of `count` pages from slot `first`: SERVED,
- * or the reason it is handed up, with nothing changed but read ticks Python sets again. */
-int native_read(const Tables *t, int checksums, int64_t now, uint64_t first, uint64_t count,
-                uint8_t *out) {
+ * or the reason it is handed up, with nothing changed but read ticks Python sets again.
+ * Warm pages and pages of cached frames are answered here, under the lock; the dense
+ * blobs left (plan->njobs) have their stored bytes copied to `scratch` for `finish_read`,
+ * after the lock. */
+int native_read(const Tables *t, FrameCache *fc, int checksums, int64_t now, uint64_t first,
+                uint64_t count, uint8_t *out, ReadPlan *plan, uint8_t *scratch, size_t room) {
     if (first + count > t->nslots || count > MAX_PAGES)
         return UP_SHAPE;
     /* First every page is checked, so that a request is served whole or not at all; each
      * blob's bytes are found once, here. */
     const uint8_t *src[MAX_PAGES];
+    uint8_t cached[MAX_PAGES];
+    size_t used = 0;
+    double when = seconds_now();
+    plan->njobs = 0;
     for (uint64_t i = 0; i < count; i++) {
         uint64_t slot = first + i;
         uint8_t kind = t->kind[slot];
         src[i] = NULL;
+        cached[i] = 0;
+        plan->job_of[i] = -1;
         if (kind == KIND_EMPTY)
             continue;
         if (kind == KIND_SAME) {
@@ -91,25 +138,153 @@ int native_read(const Tables *t, int checksums, int64_t now, uint64_t first, uin
                 return UP_READ_BLOB; /* a non-zero word: Python's table */
             continue;
         }
-        if (kind != KIND_BLOB || !(src[i] = servable(t, t->handle[slot])))
+        if (kind != KIND_BLOB)
             return UP_READ_BLOB;
+        uint32_t blob = t->handle[slot];
+        if ((src[i] = servable(t, blob)) != NULL)
+            continue;
+        if (!dense_servable(t, blob))
+            return UP_READ_BLOB;
+        uint8_t sub = t->sub[slot];
+        if (sub >= t->pages[blob])
+            return UP_CORRUPT;
+        int c = t->pages[blob] > 1 ? cache_find(fc, blob, t->gen[blob]) : -1;
+        if (c >= 0) {
+            src[i] = fc->data + (size_t)c * FRAME_BYTES + (size_t)sub * PAGE;
+            cached[i] = 1;
+            fc->used[c] = when;
+            fc->hits++;
+            continue;
+        }
+        uint32_t j = 0;
+        while (j < plan->njobs && plan->jobs[j].blob != blob)
+            j++;
+        if (j == plan->njobs) {
+            uint32_t len = t->length[blob];
+            if (j == MAX_JOBS || used + len > room)
+                return UP_READ_BLOB;
+            FrameJob *job = &plan->jobs[plan->njobs++];
+            job->blob = blob;
+            job->gen = t->gen[blob];
+            job->csum = t->csum[blob];
+            job->pages = t->pages[blob];
+            job->len = len;
+            job->at = (uint32_t)used;
+            int32_t a = t->arena[blob];
+            memcpy(scratch + used, cell_addr(t, a, t->cell[blob]), len);
+            used += len;
+            fc->misses++;
+        }
+        plan->job_of[i] = (int16_t)j;
+        plan->sub_of[i] = sub;
     }
+    /* Then each page answered (or left to finish_read), and its access ticks recorded as
+     * PageStore._readinto_few records them (a request handed up midway leaves only ticks
+     * Python sets again). */
     uint16_t low = (uint16_t)(now & TICK_MASK);
     for (uint64_t i = 0; i < count; i++) {
         uint8_t *dst = out + i * PAGE;
-        if (src[i] == NULL) {
+        uint64_t slot = first + i;
+        if (t->kind[slot] != KIND_BLOB) {
             memset(dst, 0, PAGE);
             continue;
         }
-        uint64_t slot = first + i;
         uint32_t blob = t->handle[slot];
-        if (!decode_page(t, checksums, blob, src[i], dst))
+        if (cached[i])
+            memcpy(dst, src[i], PAGE);
+        else if (src[i] != NULL && !decode_page(t, checksums, blob, src[i], dst))
             return UP_CORRUPT;
         t->rtime[blob] = (uint32_t)now;
         t->atime[blob] = (uint32_t)now;
         t->srtime[slot] = low ? low : 1;
     }
     return SERVED;
+}
+
+/* After the lock: the dense blobs of `plan` verified and decoded (into `frames`, FRAME_BYTES
+ * each), their pages copied out. SERVED or UP_CORRUPT (Python reads it again, counts the
+ * mismatch and answers EIO). */
+int finish_read(const ReadPlan *plan, const uint8_t *scratch, int checksums, void *dctx,
+                uint8_t *frames, uint8_t *out, uint64_t count) {
+    for (uint32_t j = 0; j < plan->njobs; j++) {
+        const FrameJob *job = &plan->jobs[j];
+        const uint8_t *stored = scratch + job->at;
+        if (checksums && (uint32_t)XXH3_64bits(stored, job->len) != job->csum)
+            return UP_CORRUPT;
+        size_t want = (size_t)job->pages * PAGE;
+        size_t got = ZSTD_decompressDCtx(dctx, frames + (size_t)j * FRAME_BYTES, want, stored,
+                                         job->len);
+        if (ZSTD_isError(got) || got != want)
+            return UP_CORRUPT;
+    }
+    for (uint64_t i = 0; i < count; i++) {
+        int16_t j = plan->job_of[i];
+        if (j >= 0)
+            memcpy(out + i * PAGE, frames + (size_t)j * FRAME_BYTES + (size_t)plan->sub_of[i] * PAGE,
+                   PAGE);
+    }
+    return SERVED;
+}
+
+/* Under the lock again: the frames just decoded kept for their neighbours' reads, if their
+ * rows still hold them (Objects.adopt). */
+void cache_frames(const Tables *t, FrameCache *fc, const ReadPlan *plan, const uint8_t *frames,
+                  int nframes) {
+    double when = seconds_now();
+    for (int j = 0; j < nframes; j++) {
+        const FrameJob *job = &plan->jobs[j];
+        if (job->pages < 2 || job->blob >= t->nblobs || t->ref[job->blob] == 0 ||
+            t->gen[job->blob] != job->gen || cache_find(fc, job->blob, job->gen) >= 0)
+            continue;
+        if (fc->data == NULL) {
+            void *m = mmap(NULL, (size_t)FRAME_CACHE_ENTRIES * FRAME_BYTES, PROT_READ | PROT_WRITE,
+                           MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            if (m == MAP_FAILED)
+                return;
+            madvise(m, (size_t)FRAME_CACHE_ENTRIES * FRAME_BYTES, MADV_DONTDUMP);
+            fc->data = m;
+        }
+        int victim = 0;
+        for (int c = 0; c < FRAME_CACHE_ENTRIES; c++) {
+            if (!fc->valid[c]) {
+                victim = c;
+                break;
+            }
+            if (fc->used[c] < fc->used[victim])
+                victim = c;
+        }
+        memcpy(fc->data + (size_t)victim * FRAME_BYTES, frames + (size_t)j * FRAME_BYTES,
+               (size_t)job->pages * PAGE);
+        fc->blob[victim] = job->blob;
+        fc->gen[victim] = job->gen;
+        fc->valid[victim] = 1;
+        fc->resident[victim] = 1;
+        fc->used[victim] = when;
+    }
+}
+
+/* HotCache.drop_idle for the native frame cache: entries not used for `idle` seconds go,
+ * and their memory goes back to the kernel. Under the lock. */
+void frame_cache_drop_idle(FrameCache *fc, double idle) {
+    if (fc->data == NULL)
+        return;
+    double cutoff = seconds_now() - idle;
+    for (int c = 0; c < FRAME_CACHE_ENTRIES; c++) {
+        if (fc->valid[c] && fc->used[c] > cutoff)
+            continue;
+        fc->valid[c] = 0;
+        if (fc->resident[c]) {
+            madvise(fc->data + (size_t)c * FRAME_BYTES, FRAME_BYTES, MADV_DONTNEED);
+            fc->resident[c] = 0;
+        }
+    }
+}
+
+uint64_t frame_cache_bytes(const FrameCache *fc) {
+    uint64_t n = 0;
+    for (int c = 0; c < FRAME_CACHE_ENTRIES; c++)
+        n += fc->resident[c];
+    return n * FRAME_BYTES;
 }
 
 /* -- the pool (store.pool.Pool) --------------------------------------------------------- */
@@ -652,4 +827,188 @@ void ring_doorbell(const WriteParams *p, StoreCounters *c, int64_t now) {
     uint64_t one = 1;
     ssize_t n = write(p->doorbell, &one, sizeof one);
     (void)n; /* EAGAIN: the counter is saturated, rung enough */
+}
+
+/* -- packing (store.recompress) ------------------------------------------------------------ */
+
+#define PACK_MAX 256 /* recompress.CHUNK_PAGES */
+
+typedef struct {
+    uint32_t blob, gen, csum, key, atime, rtime;
+    uint64_t slot;
+    uint16_t len;
+    uint8_t codec;
+    uint8_t ok;  /* copied and decoded */
+    uint8_t bad; /* its bytes did not verify or decode */
+} PackPage;
+
+/* Recompressor._unchanged for a blob held by one slot: still the warm page the pick saw. */
+static int pack_unchanged(const Tables *t, uint32_t blob, uint32_t gen, uint64_t slot) {
+    return blob < t->nblobs && t->ref[blob] == 1 && t->gen[blob] == gen &&
+           t->form[blob] == FORM_WARM && t->tier[blob] == TIER_POOL && t->pages[blob] == 1 &&
+           slot < t->nslots && t->kind[slot] == KIND_BLOB && t->handle[slot] == blob &&
+           t->sub[slot] == 0;
+}
+
+/* Recompressor.pass_once's pick, decode, compress and switch for warm blobs held by one slot
+ * each: under the lock the pages still as picked are copied; without it they are verified,
+ * decoded and compressed in groups of `frame_pages` (in the order given: slot order); under
+ * it again each group whose pages are all unchanged becomes one dense frame (or a dense
+ * page alone, for a group of one) and the warm blobs go (Objects.release). A group that
+ * changed meanwhile is left as it is (raced); one that does not pay keeps its pages as they
+ * are, marked dense so that they are not picked again (kept, and counted as switched: they
+ * are in their dense form); a page that does not verify is
+ * marked dense and left to the reads (bad). Returns SERVED, or UP_WRITE_ROOM when the pool
+ * had no room for a frame (the rest stays warm). */
+int native_pack(Tables *t, const WriteParams *p, void *lock, const uint32_t *blobs,
+                const uint32_t *gens, const uint64_t *slots, uint64_t n, int frame_pages,
+                void *cctx, void *dctx, PackResult *r) {
+    pthread_mutex_t *mu = lock;
+    memset(r, 0, sizeof *r);
+    if (n > PACK_MAX)
+        n = PACK_MAX;
+    if (frame_pages < 1 || frame_pages > MAX_FRAME_PAGES || n == 0)
+        return SERVED;
+    PackPage *pp = calloc(n, sizeof *pp);
+    uint8_t *in = malloc(n * PAGE);        /* stored bytes as copied */
+    uint8_t *dec = malloc(n * PAGE);       /* decoded pages */
+    uint8_t *frame = malloc(FRAME_BYTES);  /* one group's pages, contiguous */
+    uint8_t *out = malloc(n * PAGE);       /* compressed groups, at their first page's place */
+    size_t *outlen = calloc(n, sizeof *outlen);
+    int result = SERVED;
+    if (!pp || !in || !dec || !frame || !out || !outlen) {
+        result = UP_WRITE_ROOM;
+        goto done;
+    }
+    /* 1. copy, under the lock */
+    pthread_mutex_lock(mu);
+    for (uint64_t i = 0; i < n; i++) {
+        PackPage *q = &pp[i];
+        q->blob = blobs[i];
+        q->gen = gens[i];
+        q->slot = slots[i];
+        const uint8_t *src;
+        if (!pack_unchanged(t, q->blob, q->gen, q->slot) || !(src = servable(t, q->blob)))
+            continue;
+        q->len = t->length[q->blob];
+        q->codec = t->codec[q->blob];
+        q->csum = t->csum[q->blob];
+        q->key = t->members[(uint64_t)q->blob * t->stride];
+        q->atime = t->atime[q->blob];
+        q->rtime = t->rtime[q->blob];
+        memcpy(in + i * PAGE, src, q->len);
+        q->ok = 1;
+    }
+    pthread_mutex_unlock(mu);
+    /* 2. verify and decode, without it */
+    uint64_t good[PACK_MAX], ngood = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        PackPage *q = &pp[i];
+        if (!q->ok)
+            continue;
+        const uint8_t *stored = in + i * PAGE;
+        int fine = !p->checksums || (uint32_t)XXH3_64bits(stored, q->len) == q->csum;
+        if (fine && q->codec == CODEC_RAW)
+            memcpy(dec + i * PAGE, stored, PAGE);
+        else if (fine)
+            fine = LZ4_decompress_safe((const char *)stored, (char *)(dec + i * PAGE), q->len,
+                                       PAGE) == PAGE;
+        if (!fine) {
+            q->ok = 0;
+            q->bad = 1;
+            continue;
+        }
+        good[ngood++] = i;
+    }
+    /* 3. compress the groups (runs of frame_pages good pages, in order), without it */
+    for (uint64_t g = 0; g < ngood; g += (uint64_t)frame_pages) {
+        uint64_t m = ngood - g < (uint64_t)frame_pages ? ngood - g : (uint64_t)frame_pages;
+        for (uint64_t k = 0; k < m; k++)
+            memcpy(frame + k * PAGE, dec + good[g + k] * PAGE, PAGE);
+        size_t cap = m * MAX_COMPRESSED; /* codecs.pays */
+        size_t len = ZSTD_compress2(cctx, out + good[g] * PAGE, cap, frame, m * PAGE);
+        outlen[good[g]] = ZSTD_isError(len) ? 0 : len;
+    }
+    (void)dctx;
+    /* 4. switch, under the lock again */
+    pthread_mutex_lock(mu);
+    for (uint64_t g = 0; g < ngood; g += (uint64_t)frame_pages) {
+        uint64_t m = ngood - g < (uint64_t)frame_pages ? ngood - g : (uint64_t)frame_pages;
+        int same = 1;
+        for (uint64_t k = 0; k < m && same; k++) {
+            const PackPage *q = &pp[good[g + k]];
+            same = pack_unchanged(t, q->blob, q->gen, q->slot);
+        }
+        if (!same) {
+            r->raced++;
+            continue;
+        }
+        size_t len = outlen[good[g]];
+        if (len == 0) {
+            /* does not pay: the pages stay as they are, dense from now on (Python stores
+             * them alone, raw where they are raw: the same, in new rows) */
+            for (uint64_t k = 0; k < m; k++)
+                t->form[pp[good[g + k]].blob] = FORM_DENSE;
+            r->kept += m;
+            r->switched += m;
+            continue;
+        }
+        uint64_t cls = class_for(t, (uint16_t)len);
+        int32_t a = t->class_head[cls];
+        if (a == NO_ARENA && (a = new_arena(t, cls)) == NO_ARENA) {
+            result = UP_WRITE_ROOM; /* the pool is at its cap: demotion comes next */
+            break;
+        }
+        uint32_t cell = pool_alloc(t, a, cls);
+        memcpy(cell_addr(t, a, cell), out + good[g] * PAGE, len);
+        uint32_t atime = 0, rtime = 0;
+        for (uint64_t k = 0; k < m; k++) {
+            const PackPage *q = &pp[good[g + k]];
+            atime = q->atime > atime ? q->atime : atime; /* the pages keep their age */
+            rtime = q->rtime > rtime ? q->rtime : rtime; /* and their last read */
+            release(t, q->blob);
+        }
+        /* a row the warm pages just freed: the frames fill the table from below */
+        int64_t *bs = t->blob_state;
+        uint32_t blob = (uint32_t)bs[BLOB_FREE_HEAD];
+        bs[BLOB_FREE_HEAD] = t->arena[blob];
+        t->arena[blob] = a;
+        t->cell[blob] = cell;
+        t->length[blob] = (uint16_t)len;
+        t->pages[blob] = (uint8_t)m;
+        t->codec[blob] = CODEC_ZSTD;
+        t->dict_id[blob] = 0;
+        t->ref[blob] = (uint32_t)m;
+        t->tier[blob] = TIER_POOL;
+        t->atime[blob] = atime;
+        t->rtime[blob] = rtime;
+        t->csum[blob] = p->checksums ? (uint32_t)XXH3_64bits(out + good[g] * PAGE, len) : 0;
+        t->form[blob] = FORM_DENSE;
+        bs[BLOB_COUNT] += 1;
+        for (uint64_t k = 0; k < m; k++) {
+            const PackPage *q = &pp[good[g + k]];
+            t->members[(uint64_t)blob * t->stride + k] = q->key;
+            index_insert(t, p, q->key, blob << SUB_BITS | (uint32_t)k);
+            t->handle[q->slot] = blob;
+            t->sub[q->slot] = (uint8_t)k;
+        }
+        t->codec_pages[CODEC_ZSTD] += (int64_t)m;
+        r->switched += m;
+    }
+    for (uint64_t i = 0; i < n; i++) { /* unreadable: leave it to the reads (EIO) */
+        const PackPage *q = &pp[i];
+        if (q->bad && pack_unchanged(t, q->blob, q->gen, q->slot)) {
+            t->form[q->blob] = FORM_DENSE;
+            r->bad++;
+        }
+    }
+    pthread_mutex_unlock(mu);
+done:
+    free(pp);
+    free(in);
+    free(dec);
+    free(frame);
+    free(out);
+    free(outlen);
+    return result;
 }

@@ -11,6 +11,7 @@
 #define AGENTZIP_NATIVESTORE_H
 
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #define PAGE 4096
@@ -23,8 +24,12 @@
 #define KIND_SAME 1
 #define KIND_BLOB 2
 #define TIER_POOL 0
+#define FORM_DENSE 0
 #define FORM_WARM 1
+#define MAX_FRAME_PAGES 16 /* config.MAX_FRAME_PAGES */
+#define FRAME_BYTES (MAX_FRAME_PAGES * PAGE)
 #define CODEC_RAW 0
+#define CODEC_ZSTD 1
 #define CODEC_LZ4 2
 #define CODEC_LZ4HC 3
 #define MAX_COMPRESSED 3072 /* codecs.MAX_COMPRESSED: above this a page is stored raw */
@@ -124,7 +129,7 @@ typedef struct {
 enum {
     UP_UNBOUND,     /* tables not bound, or a tick rebase is due */
     UP_SHAPE,       /* not whole pages in the device, or not a READ/WRITE this path serves */
-    UP_READ_BLOB,   /* a read of a frame, a disk blob, a dictionary, a non-zero word */
+    UP_READ_BLOB,   /* a read of a disk blob, a dictionary, a non-zero word */
     UP_CORRUPT,     /* a checksum or codec failure: Python counts it and answers EIO */
     UP_WRITE_WORD,  /* a write of a same-filled page other than zero, or over one */
     UP_WRITE_DISK,  /* a write over a slot whose blob is in the disk tier */
@@ -146,8 +151,57 @@ typedef struct {
 #define SERVED (-1)
 
 int64_t store_now(double t0, int64_t tick_base);
-int native_read(const Tables *t, int checksums, int64_t now, uint64_t first, uint64_t count,
-                uint8_t *out);
+
+/* Decoded dense frames, for the reads of their other pages (the kernel reads a frame's pages
+ * one request after another): store.objects' frame cache, on the native side. Under the
+ * store lock; its memory is one mapping, and an entry idle for `idle` seconds gives its
+ * pages back (MADV_DONTNEED). */
+#define FRAME_CACHE_ENTRIES 32
+typedef struct {
+    uint8_t *data; /* FRAME_CACHE_ENTRIES * FRAME_BYTES, mapped on first use */
+    uint32_t blob[FRAME_CACHE_ENTRIES];
+    uint32_t gen[FRAME_CACHE_ENTRIES];
+    uint8_t valid[FRAME_CACHE_ENTRIES];
+    uint8_t resident[FRAME_CACHE_ENTRIES]; /* its pages were written since the last drop */
+    double used[FRAME_CACHE_ENTRIES];
+    uint64_t hits, misses;
+} FrameCache;
+
+/* A read's frames to decode after the lock (at most one per page of the request). */
+typedef struct {
+    uint32_t blob, gen, csum;
+    uint16_t pages;
+    uint32_t len;
+    uint32_t at;        /* offset of its stored bytes in the request's scratch */
+    uint16_t first_out; /* the first page of the request it serves; others follow by sub */
+} FrameJob;
+
+typedef struct {
+    FrameJob jobs[MAX_PAGES];
+    uint32_t njobs;
+    int16_t job_of[MAX_PAGES]; /* per page of the request: its job, or -1 */
+    uint8_t sub_of[MAX_PAGES];
+} ReadPlan;
+
+int native_read(const Tables *t, FrameCache *fc, int checksums, int64_t now, uint64_t first,
+                uint64_t count, uint8_t *out, ReadPlan *plan, uint8_t *scratch, size_t room);
+int finish_read(const ReadPlan *plan, const uint8_t *scratch, int checksums, void *dctx,
+                uint8_t *frame, uint8_t *out, uint64_t count);
+void cache_frames(const Tables *t, FrameCache *fc, const ReadPlan *plan, const uint8_t *frames,
+                  int nframes);
+void frame_cache_drop_idle(FrameCache *fc, double idle);
+uint64_t frame_cache_bytes(const FrameCache *fc);
+
+/* The recompressor's native core (store.recompress.Recompressor.pass_once for blobs held by
+ * one slot each): `n` warm blobs in slot order, each with the generation and slot the
+ * Python pick saw. It takes the lock itself (twice) and compresses between. */
+typedef struct {
+    uint64_t switched, raced, bad, kept;
+} PackResult;
+
+int native_pack(Tables *t, const WriteParams *p, void *lock, const uint32_t *blobs,
+                const uint32_t *gens, const uint64_t *slots, uint64_t n, int frame_pages,
+                void *cctx, void *dctx, PackResult *r);
 
 /* Per request, before the lock: what each page is (same-filled, a repeat of an earlier
  * page, or to be stored compressed). */

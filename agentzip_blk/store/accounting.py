@@ -44,7 +44,10 @@ def meta_parts(store: PageStore) -> dict[str, int]:
 
 
 def stored_mem(store: PageStore, meta_bytes: int) -> int:
-    return store.pool.resident_bytes + meta_bytes + store.objects.cache_bytes()
+    """Pool pages touched, metadata, and the decoded copies held (ours, and the native
+    path's frame cache: PageStore.outside)."""
+    outside = store.outside().get("frame_cache_bytes", 0)
+    return store.pool.resident_bytes + meta_bytes + store.objects.cache_bytes() + outside
 
 
 def stats(store: PageStore) -> dict:
@@ -101,7 +104,7 @@ def stats(store: PageStore) -> dict:
         "compressed_bytes": int(lengths[live].sum()),
         "meta_bytes": meta_bytes,
         "meta": meta,
-        "hot_cache_bytes": objects.cache_bytes(),
+        "hot_cache_bytes": objects.cache_bytes() + store.outside().get("frame_cache_bytes", 0),
         "max_size": store.pool.max_size,
         "reclaim_bytes": tiers.reclaim_bytes,
         "disk_mem": disk.file_size if disk else 0,

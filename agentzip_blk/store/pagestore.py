@@ -157,6 +157,8 @@ class PageStore:
         self.outside: Callable[[], dict[str, int]] = dict
         # Runs under the lock when a table the native path reads by address is replaced.
         self.on_tables_moved: Callable[[], None] = lambda: None
+        # That path's own cache of decoded frames, trimmed with ours (under the lock).
+        self.outside_drop_idle: Callable[[float], None] = lambda seconds: None
         self.blobs.on_moved = self.pool.on_moved = self.index.on_moved = self._tables_moved
         self._clock = clock
         self._t0 = clock()
@@ -614,6 +616,7 @@ class PageStore:
         result = self.tiers.maintain()
         with self.lock:
             self.objects.frames.drop_idle(FRAME_CACHE_IDLE)
+            self.outside_drop_idle(FRAME_CACHE_IDLE)
         # one scan per round, and only while someone reads the cached stats (a scraper)
         self.snapshots.refresh_if_read(_SNAPSHOT_READERS_WITHIN, SNAPSHOT_REFRESH_EVERY)
         return result
