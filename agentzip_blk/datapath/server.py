@@ -317,8 +317,10 @@ class Server:
         if self.native is not None:
             counters = self.native.counters()
             out["native_writes_served"] = self.native.writes
+            out["native_packs_served"] = self.native.packs
             for key in ("reads", "pages_read", "bytes_read", "writes", "pages_written",
-                        "bytes_written", "handed_up", "handed_up_by", "reply_errors"):
+                        "bytes_written", "packed_pages", "frame_cache_hits",
+                        "frame_cache_misses", "handed_up", "handed_up_by", "reply_errors"):
                 out[f"native_{key}"] = counters[key]
         return out
 

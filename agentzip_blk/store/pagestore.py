@@ -629,9 +629,8 @@ class PageStore:
         return accounting.stored_mem(self, self.meta_bytes())
 
     def stats(self) -> dict:
-        """Exact stats: a full scan under the store lock (requests wait for it)."""
-        with self.lock:
-            return accounting.stats(self)
+        """Exact stats: the books copied under the store lock, counted after it."""
+        return accounting.stats(self, self.lock)
 
     def cached_stats(self, max_age: float = 0.0) -> tuple[dict, float]:
         """Stats at most `max_age` seconds old, and their age (accounting.StatsCache)."""
