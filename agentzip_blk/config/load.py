@@ -24,7 +24,7 @@ import yaml
 from ..errors import ConfigError
 from .dropins import Sources, dropin_dir, dropin_files, merge, normalized_key
 from .quantities import decimal_hint, format_bytes, parse_duration, parse_size
-from .schema import (ALGORITHMS, DATAPATHS, DEDUP_MODES, DEFAULT_CONFIG_PATH, DICTIONARY_MODES, FRONTENDS,
+from .schema import (ALGORITHMS, DATAPATHS, SWAP_MAP_MODES, DEDUP_MODES, DEFAULT_CONFIG_PATH, DICTIONARY_MODES, FRONTENDS,
                      KEY_ALIASES,
                      LEVEL_RANGES,
                      MAX_DEVICE_SIZE, MAX_FRAME_PAGES, MIN_SIZE, SUPPORTED_PAGE_SIZE, SWAP_PRIORITY_RANGE,
@@ -279,6 +279,7 @@ def _parse_device(value: Any) -> DeviceConfig:
         rotational=_bool(data.get("rotational", d.rotational), "device.rotational"),
         frontend=_choice(data.get("frontend", d.frontend), "device.frontend", FRONTENDS),
         datapath=_choice(data.get("datapath", d.datapath), "device.datapath", DATAPATHS),
+        swap_map=_choice(data.get("swap_map", d.swap_map), "device.swap_map", SWAP_MAP_MODES),
         control_group=_group(data.get("control_group", d.control_group), "device.control_group"),
     )
 

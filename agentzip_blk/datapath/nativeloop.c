@@ -311,6 +311,7 @@ static PyObject *Path_bind(Path *self, PyObject *args) {
     COLUMN(srtime, "slot_rtime", uint16_t, nslots);
     COLUMN(chunk_live, "chunk_live", int32_t, nchunks);
     COLUMN(chunk_touched, "chunk_touched", uint8_t, nchunks);
+    COLUMN(chunk_written, "chunk_written", uint8_t, nchunks);
     uint64_t one;
 #define STATE(field, key, need)                                                              \
     do {                                                                                     \

@@ -796,6 +796,7 @@ int native_write(Tables *t, const WriteParams *p, StoreCounters *c, int64_t now,
         uint8_t nkind = w->same ? KIND_SAME : KIND_BLOB;
         t->chunk_live[s / CHUNK_SLOTS] += (kind == KIND_EMPTY);
         t->chunk_touched[s / CHUNK_SLOTS] = 1;
+        t->chunk_written[s / CHUNK_SLOTS] = 1;
         t->kind[s] = nkind;
         t->handle[s] = w->same ? 0 : w->blob;
         t->sub[s] = w->same ? 0 : w->sub;

@@ -66,6 +66,7 @@ typedef struct {
     uint64_t nslots;
     int32_t *chunk_live;
     uint8_t *chunk_touched;
+    uint8_t *chunk_written;
     uint64_t nchunks;
     int64_t *slot_state; /* same_pages */
     /* blob table (store.blobs) */

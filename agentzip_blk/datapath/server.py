@@ -22,6 +22,7 @@ from ..config.quantities import parse_size
 from ..store import PageStore
 from ..store.tiering import Maintainer
 from . import latency, native, protect
+from .freed import FreedSlots
 from .control import ControlServer
 from .guard import SignalGuard
 from .pressure import HostPressure
@@ -77,6 +78,7 @@ class Server:
         self.control: ControlServer | None = None
         self.maintainer: Maintainer | None = None
         self.pressure: HostPressure | None = None
+        self.freed: FreedSlots | None = None
         self.fuse = None  # datapath.fuse.FuseFile when the fuse= key is given
         # who answers the FUSE door's warm reads (datapath.native); NBD requests are Python's
         self.datapath: native.Choice = (native.choose(config.device.datapath) if options.fuse
@@ -117,6 +119,11 @@ class Server:
                                            lock=native.make_lock(self.datapath))
         self.pressure = HostPressure()
         self.store.pressure = self.pressure
+        # the slots the kernel freed without telling us, from its swap map of our area
+        # (the area is the device `up` names to the guard before swapon)
+        self.freed = FreedSlots(self.config.device.swap_map,
+                                lambda: self.guard.device if self.guard else None)
+        self.store.kernel_map = self.freed.read
         self.maintainer = Maintainer(self.store)
         self.maintainer.start()
         if self.options.control:
@@ -147,6 +154,8 @@ class Server:
             self.control.stop()
         if self.maintainer is not None:
             self.maintainer.stop()
+        if self.freed is not None:
+            self.freed.close()
         if self.store is not None:
             self.store.close()  # removes the disk tier file
 
@@ -302,6 +311,7 @@ class Server:
             "maintenance_error": self.maintainer.last_error if self.maintainer else None,
             "control_refused": self.control.refused if self.control else 0,
             "datapath": self._datapath(),
+            "swap_map": self.freed.describe() if self.freed else None,
         }
         if self.fuse is not None:
             from . import fuse

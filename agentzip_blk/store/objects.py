@@ -64,6 +64,9 @@ class Counters:
     # writes that placement.Placer.prepare could not compress early (part already stored)
     frames_compressed_locked: int = 0
     recompressed_pages: int = 0  # warm slots the recompressor switched to the dense form
+    # slots the kernel had freed without telling the device, found free in its swap map and
+    # emptied (PageStore.forget_freed)
+    kernel_freed_pages: int = 0
 
 
 class Decoding:
