@@ -14,6 +14,8 @@ import contextlib
 import dataclasses
 import difflib
 import grp
+import hashlib
+import hmac
 import os
 import re
 from collections.abc import Collection, Mapping
@@ -358,6 +360,10 @@ def _read_yaml(path: str) -> Any:
         raise ConfigError(f"{path}: config file not found") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot read config file: {e}") from None
+    return _parse_yaml(text, path)
+
+
+def _parse_yaml(text: str, path: str) -> Any:
     try:
         return yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as e:
@@ -424,6 +430,47 @@ def load_layers(path: str | os.PathLike[str] | None = None, *,
         except ConfigError as e:
             raise ConfigError(f"{origin}: {e}") from None
     return LoadedConfig(config, files, {normalized_key(k): v for k, v in sources.items()})
+
+
+def config_digest(data: bytes) -> str:
+    """The SHA-256 (hex) by which `up` pins the config file it hands its server."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def load_file(path: str | os.PathLike[str], *, sha256: str | None = None,
+              known_dictionaries: Collection[str] | None = None) -> Config:
+    """Exactly one config file, without drop-ins: the effective config `up` wrote into the
+    run directory for its server (host.chain.write_effective_config), which already holds
+    whatever the operator's drop-ins said. The run directory is no place to take orders
+    from (a container that mounts it read-write can write there), so nothing beside that
+    file is read, and with *sha256* its bytes must be the ones `up` wrote: a file replaced
+    or edited since is a ConfigError, and the server does not start on it."""
+    path = os.fspath(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(MAX_PINNED_BYTES + 1)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config file: {e.strerror or e}") from None
+    if len(data) > MAX_PINNED_BYTES:
+        raise ConfigError(f"{path}: config file larger than {MAX_PINNED_BYTES} bytes")
+    if sha256 is not None and not hmac.compare_digest(config_digest(data), sha256):
+        raise ConfigError(f"{path}: not the config `agentzip-blk up` wrote (its SHA-256 "
+                          f"differs): refusing to start on it")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: cannot read config file: {e}") from None
+    data = _top_mapping(_parse_yaml(text, path), path)  # errors name the path already
+    try:
+        return parse_config(data, known_dictionaries=known_dictionaries)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+MAX_PINNED_BYTES = 1 << 20  # the effective config is a few hundred bytes
 
 
 def load_config(path: str | os.PathLike[str] | None = None, *,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from .. import procfs
 from ..codec import dictionaries
-from ..config import Config, load_config
+from ..config import Config, load_config, load_file
 from ..config.quantities import parse_size
 from ..store import PageStore
 from ..store.tiering import Maintainer
@@ -26,7 +26,7 @@ from .control import ControlServer
 from .guard import SignalGuard
 from .pressure import HostPressure
 
-PLUGIN_KEYS = ("config", "size", "control", "fuse", "fuse_threads")
+PLUGIN_KEYS = ("config", "config_sha256", "size", "control", "fuse", "fuse_threads")
 MAX_STATS_AGE = 3600  # s: the oldest cached stats a `stats` request may ask for
 
 # The control verbs that only read: what members of device.control_group may use (a
@@ -37,6 +37,9 @@ READ_ONLY_VERBS = ("ping", "health", "stats", "slots")
 @dataclass
 class ServerOptions:
     config_path: str | None = None
+    # `up` pins the effective config it wrote into the run directory by its digest: then
+    # that one file is read, without drop-ins (config.load_file)
+    config_sha256: str | None = None
     size: int | None = None
     control: str | None = None
     fuse: str | None = None  # mount point of the FUSE front door (datapath.fuse)
@@ -51,8 +54,9 @@ class ServerOptions:
             )
         size = parse_size(keys["size"]) if "size" in keys else None
         threads = int(keys["fuse_threads"]) if "fuse_threads" in keys else None
-        return cls(config_path=keys.get("config"), size=size, control=keys.get("control"),
-                   fuse=keys.get("fuse"), fuse_threads=threads)
+        return cls(config_path=keys.get("config"), config_sha256=keys.get("config_sha256"),
+                   size=size, control=keys.get("control"), fuse=keys.get("fuse"),
+                   fuse_threads=threads)
 
 
 @dataclass
@@ -94,7 +98,14 @@ class Server:
     def from_keys(cls, keys: dict[str, str]) -> Server:
         options = ServerOptions.from_keys(keys)
         # unknown dictionary names become config errors
-        config = load_config(options.config_path, known_dictionaries=dictionaries.known_names())
+        known = dictionaries.known_names()
+        if options.config_sha256:
+            if not options.config_path:
+                raise ValueError("config_sha256= needs config=")
+            config = load_file(options.config_path, sha256=options.config_sha256,
+                               known_dictionaries=known)
+        else:  # the operator's own file and its drop-ins (`serve --config`)
+            config = load_config(options.config_path, known_dictionaries=known)
         dictionaries.check_setting(config)  # a bad dictionary file stops nbdkit before it listens
         return cls(options, config)
 
@@ -195,6 +206,7 @@ class Server:
             "slots": self._slots,
             "health": self._health,
             "guard": self._guard,
+            "owned": self._owned,
             "shutdown": self._shutdown,
         }
 
@@ -213,6 +225,20 @@ class Server:
             raise ValueError("this server was started without a signal guard")
         self.guard.arm(device)  # once: another device is refused (SignalGuard.arm)
         return {"device": device}
+
+    def _owned(self, request: dict) -> dict:
+        """What this server owns, from its own memory: the device `up` armed the guard with
+        (the swap area over this server) and the file of its disk tier (device and inode of
+        the descriptor the tier holds). `down` asks before it acts: it swaps off and detaches
+        only that device, and removes only that file (host.tierfile), never what a file in
+        the run directory names (state.json, RUN/config.yaml, RUN/config.d)."""
+        disk = self.store.disk if self.store is not None else None
+        tier = None
+        if disk is not None:
+            held = _held_file(disk.path)
+            tier = {"path": disk.path, "dev": held.st_dev if held else None,
+                    "ino": held.st_ino if held else None}
+        return {"device": self.guard.device if self.guard is not None else None, "tier": tier}
 
     def _shutdown(self, request: dict) -> dict:
         """The regular stop, sent by `down` after swapoff; refused while swap is on."""
@@ -318,6 +344,21 @@ class Server:
             for key in ("reads", "pages_read", "bytes_read", "handed_up", "reply_errors"):
                 out[f"native_{key}"] = counters[key]
         return out
+
+
+def _held_file(path: str) -> os.stat_result | None:
+    """The stat of the file this process holds open at ``path`` (through /proc/self/fd,
+    so it is the file we hold, whatever has happened to the path since)."""
+    # the kernel names the file by its canonical path (a directory above may be a link)
+    names = {path, os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))}
+    for name in os.listdir("/proc/self/fd"):
+        link = f"/proc/self/fd/{name}"
+        try:
+            if os.readlink(link).removesuffix(" (deleted)") in names:
+                return os.stat(link)
+        except OSError:
+            continue
+    return None
 
 
 def _aged(reply: dict, age: float, max_age: float) -> dict:

@@ -68,7 +68,8 @@ def peer_filter_args(uid: int | None = None) -> tuple[list[str], list[str]]:
 
 def nbdkit_command(plugin_path: str, nbd_socket: str, control_socket: str | None, pidfile: str,
                    config_path: str | None = None, size: int | None = None,
-                   foreground: bool = True, *, nbdkit: str = "nbdkit") -> list[str]:
+                   foreground: bool = True, *, nbdkit: str = "nbdkit",
+                   config_sha256: str | None = None) -> list[str]:
     """argv for nbdkit serving the agentzip Python plugin on a unix socket.
 
     No ``--swap`` here: the plugin calls mlockall(MCL_ONFAULT) itself.
@@ -83,6 +84,8 @@ def nbdkit_command(plugin_path: str, nbd_socket: str, control_socket: str | None
             "python", os.path.abspath(plugin_path), *filter_keys]
     if config_path:
         cmd.append(f"config={os.path.abspath(config_path)}")
+        if config_sha256:  # that file alone, and only with these bytes (datapath.server)
+            cmd.append(f"config_sha256={config_sha256}")
     if size is not None:
         cmd.append(f"size={int(size)}")
     if control_socket:
@@ -93,11 +96,11 @@ def nbdkit_command(plugin_path: str, nbd_socket: str, control_socket: str | None
 def server_command(plugin: str, nbd_socket: str, control_socket: str | None, pidfile: str,
                    config_path: str | None = None, size: int | None = None,
                    foreground: bool = True, *, mlock: bool = True,
-                   nbdkit: str = "nbdkit") -> list[str]:
+                   nbdkit: str = "nbdkit", config_sha256: str | None = None) -> list[str]:
     """nbdkit argv for ``plugin``: a .py path (the agentzip plugin) or a plugin name."""
     if is_python_plugin(plugin):
         return nbdkit_command(plugin, nbd_socket, control_socket, pidfile, config_path, size,
-                              foreground, nbdkit=nbdkit)
+                              foreground, nbdkit=nbdkit, config_sha256=config_sha256)
     cmd = [nbdkit]
     if mlock:
         cmd.append("--swap")
