@@ -455,9 +455,11 @@ def up_steps(state: RunState, timeout: float, fail_after: str | None) -> None:
     # 1. nbdkit, detached in its own session, memory locked
     nbdkit = resolve_tool("nbdkit", tools)
     pidfile = os.path.join(run_dir, "nbdkit.pid")
+    # The FUSE front door serves the kernel itself: no NBD client is ever let in (below)
     argv = server_command(state.plugin, state.nbd_socket, state.control_socket, pidfile,
                           state.config_path, state.size, foreground=True, nbdkit=nbdkit,
-                          mlock=state.mlock, config_sha256=state.config_sha256)
+                          mlock=state.mlock, config_sha256=state.config_sha256,
+                          nbd_clients=state.frontend != "fuse")
     if state.frontend == "fuse":
         argv += _fuse_frontend_keys(state)
     log = os.path.join(run_dir, "nbdkit.log")
@@ -471,6 +473,11 @@ def up_steps(state: RunState, timeout: float, fail_after: str | None) -> None:
     _private_socket(state.nbd_socket)
     if state.control_socket:
         server_request(state, "health", timeout)  # serving, not only listening
+    if state.frontend == "fuse":
+        # nbdkit must listen somewhere; with the FUSE door nobody needs it, and its ip filter
+        # already turns every peer away (deny=all). Removed, nobody can reach it at all.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(state.nbd_socket)
     # best effort: needs CAP_SYS_RESOURCE (missing in some containers)
     state.oom_protected = procs.set_oom_score_adj(proc.pid, -1000)
     state.save()

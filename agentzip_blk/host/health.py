@@ -40,7 +40,9 @@ def status(run_dir: str | None = None, *, config=None,
         alive = ours_alive(state.nbdkit_pid, state.tool("nbdkit"), state.nbd_socket)
         out["server"] = {"pid": state.nbdkit_pid, "alive": alive,
                          "rss": procfs.process_rss(state.nbdkit_pid) if alive else 0,
-                         "socket": state.nbd_socket, "control": state.control_socket,
+                         # the FUSE door serves without NBD: no socket (chain.up_steps)
+                         "socket": None if state.frontend == "fuse" else state.nbd_socket,
+                         "control": state.control_socket,
                          "plugin": state.plugin, "size": state.size,
                          "started": state.started}
         if state.mode == "fuse" and state.frontend == "nbdfuse":
