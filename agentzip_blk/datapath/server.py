@@ -127,6 +127,11 @@ class Server:
             _say(f"agentzip: core dumps not forbidden: {self.protection.core_dumps}")
         # mlockall is undone by fork(): lock again in the process that serves.
         self.protection.memory_locked = protect.lock_memory()
+        protect.require_locked(self.protection.memory_locked, self.config.pool.swap_out_path)
+        if self.protection.memory_locked is not None:
+            _say(f"agentzip: memory NOT locked (mlockall: {self.protection.memory_locked}): a "
+                 "server page swapped onto its own device deadlocks the swap-in; raise "
+                 "RLIMIT_MEMLOCK (LimitMEMLOCK=infinity)")
         self.protection.oom_score = protect.lower_oom_score()
         self.protection.io_flusher = protect.set_io_flusher()
         self.store = PageStore.from_config(self.size, self.config,
@@ -220,7 +225,10 @@ class Server:
         """Unlike ping, this waits for the store lock: a wedged request path times out."""
         return {"pid": os.getpid(), "store": self.store.health(),
                 "guarded": self.guard is not None and self.guard.guarded(),
-                "datapath": self.datapath.path}
+                "datapath": self.datapath.path,
+                "memory_locked": self.protection.memory_locked is None,
+                # why mlockall failed (status and doctor say it), None when locked
+                "memory_lock_error": self.protection.memory_locked}
 
     def _guard(self, request: dict) -> dict:
         """`up` names the device before swapon: polite signals are refused while it is swap."""
