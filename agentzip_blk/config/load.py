@@ -24,7 +24,8 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigError
-from .dropins import Sources, dropin_dir, dropin_files, merge, normalized_key
+from .dropins import (NON_ROOT_KEYS, Sources, dropin_dir, dropin_files, limited_by, merge,
+                      normalized_key)
 from .quantities import decimal_hint, format_bytes, parse_duration, parse_size
 from .schema import (ALGORITHMS, DATAPATHS, DEDUP_MODES, DEFAULT_CONFIG_PATH, DICTIONARY_MODES, FRONTENDS,
                      KEY_ALIASES,
@@ -363,6 +364,25 @@ def _read_yaml(path: str) -> Any:
     return _parse_yaml(text, path)
 
 
+def _read_dropin(path: str) -> tuple[Any, str | None]:
+    """A drop-in's data, and why it is not root's alone (dropins.limited_by), both from one
+    open: the file checked is the file read."""
+    try:
+        link = os.lstat(path)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config file: {e.strerror or e}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        try:
+            text = f.read().decode("utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: cannot read config file: {e}") from None
+    return _parse_yaml(text, path), limited_by(link, st)
+
+
 def _parse_yaml(text: str, path: str) -> Any:
     try:
         return yaml.load(text, Loader=_StrictLoader)
@@ -417,14 +437,28 @@ def load_layers(path: str | os.PathLike[str] | None = None, *,
     for extra in replace:
         if extra not in dropins and os.path.dirname(extra) == directory:
             dropins = sorted(dropins + [extra], key=os.path.basename)
+    limits: dict[str, str] = {}  # drop-in -> why it may set NON_ROOT_KEYS only
     for dropin in dropins:
-        layers.append((dropin, replace[dropin] if dropin in replace else _read_yaml(dropin)))
+        if dropin in replace:  # written next by this process: its own uid's
+            layers.append((dropin, replace[dropin]))
+        else:
+            data, limit = _read_dropin(dropin)
+            layers.append((dropin, data))
+            if limit:
+                limits[dropin] = limit
         files.append(dropin)
     merged: dict = {}
     sources: Sources = {}
     config = Config()
     for origin, data in layers:
-        merged = merge(merged, _top_mapping(data, origin), origin, sources)
+        data = _top_mapping(data, origin)
+        if origin in limits:
+            for key in data:
+                if key not in NON_ROOT_KEYS:
+                    raise ConfigError(f"{origin}: {key}: this drop-in is {limits[origin]}, not "
+                                      f"root's alone: it may set {', '.join(NON_ROOT_KEYS)} "
+                                      f"and nothing else")
+        merged = merge(merged, data, origin, sources)
         try:
             config = parse_config(merged, known_dictionaries=known_dictionaries)
         except ConfigError as e:
