@@ -8,12 +8,13 @@ import contextlib
 import sys
 
 from .. import procfs
+from ..config import ConfigError
 from ..host import attach, facts
 from ..errors import DeviceError, SetupError
 from ..host.rundir import secure_run_dir
 from ..host.runstate import RunState
 from . import progress
-from ._common import PROG, fmt, run_dir_of
+from ._common import PROG, config_of, fmt, run_dir_of
 
 EXAMPLES = f"""\
 examples:
@@ -55,18 +56,36 @@ def _watch(run_dir: str):
     return stack
 
 
+def _operator_config(args):
+    """The operator's config (--config, else /etc/agentzip/config.yaml, and its drop-ins):
+    where a dead server's disk tier lies. A broken one must not keep `down` from taking the
+    device down when the run directory is named: that leftover is then only reported."""
+    try:
+        return config_of(args)
+    except ConfigError as e:
+        if not args.run_dir:
+            raise
+        print(f"{PROG}: warning: {e}: a disk tier left by a dead server is not looked for",
+              file=sys.stderr)
+        return None
+
+
 def cmd_down(args) -> int:
     facts.require_root(f"{PROG} down")
-    run_dir = run_dir_of(args)
+    config = _operator_config(args)
+    run_dir = run_dir_of(args, config) if config is not None else run_dir_of(args)
     try:
         with _watch(run_dir):
-            res = attach.down(run_dir, force=args.force, timeout=args.timeout)
+            res = attach.down(run_dir, force=args.force, config=config, timeout=args.timeout)
     except attach.NotAttached as e:
         print(f"{PROG}: nothing to do: {e}", file=sys.stderr)
         return 0
     if res.get("server_lost"):
         print(f"{PROG}: warning: the swap server was dead or did not answer: the pages it held "
               f"are lost (processes that touch them get SIGBUS)", file=sys.stderr)
+    if res.get("tier_left"):
+        print(f"{PROG}: warning: disk tier file left in place: {res['tier_left']}",
+              file=sys.stderr)
     print(f"{res['device'] or 'device'}: detached, {fmt(res['swapped_in'])} swapped back in "
           f"({res['seconds']:.1f}s); server stopped")
     if res.get("cgroups"):

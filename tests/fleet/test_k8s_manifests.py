@@ -65,10 +65,13 @@ def test_every_manifest_parses_and_every_container_runs_a_subcommand():
             parser.parse_args(c["args"])
 
 
+NODE_DAEMONSETS = ("agentzip-node", "agentzip-tuner")  # the tuner alone in its own (hostPID)
+
+
 def test_daemonset_mounts_only_what_each_container_needs(by):
-    cs = containers(by, "DaemonSet", "agentzip-node")
-    hp = host_paths(by, "DaemonSet", "agentzip-node")
-    m = {name: mounts(c, hp) for name, c in cs.items()}
+    cs = {n: c for ds in NODE_DAEMONSETS for n, c in containers(by, "DaemonSet", ds).items()}
+    m = {name: mounts(c, host_paths(by, "DaemonSet", ds))
+         for ds in NODE_DAEMONSETS for name, c in containers(by, "DaemonSet", ds).items()}
     assert set(m) == {"node-agent", "tuner", "metrics"}
     # the run dir (nbd.sock: every sandbox's pages) only where the server is spoken to
     assert RUN not in m["node-agent"]
@@ -99,18 +102,19 @@ def test_daemonset_mounts_only_what_each_container_needs(by):
         "supplementalGroups"]  # the control group: read-only verbs on control.sock
 
 
-def test_daemonset_drops_privileges(by):
-    ds = by[("DaemonSet", "agentzip-node")]["spec"]["template"]["spec"]
+@pytest.mark.parametrize("daemonset", NODE_DAEMONSETS)
+def test_daemonset_drops_privileges(by, daemonset):
+    ds = by[("DaemonSet", daemonset)]["spec"]["template"]["spec"]
     assert ds.get("hostNetwork") in (None, False)
     assert ds["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
-    for name, c in containers(by, "DaemonSet", "agentzip-node").items():
+    for name, c in containers(by, "DaemonSet", daemonset).items():
         sc = c["securityContext"]
         assert not sc.get("privileged"), name
         assert sc["capabilities"].get("add") in (None, []), name
         assert sc["capabilities"]["drop"] == ["ALL"], name
         assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
-    text = (K8S / "daemonset.yaml").read_text()
-    assert "SYS_ADMIN" not in yaml.safe_dump(by[("DaemonSet", "agentzip-node")])
+    text = (K8S / "daemonset.yaml").read_text() + (K8S / "tuner.yaml").read_text()
+    assert "SYS_ADMIN" not in yaml.safe_dump(by[("DaemonSet", daemonset)])
     assert "--insecure" not in text
 
 
