@@ -560,11 +560,12 @@ static int serve_read(Path *self, int fd, const uint8_t *r, ssize_t n, uint8_t *
     atomic_fetch_sub(&self->in_flight, 1);
     if (result != SERVED)
         return hand_up(self, result);
-    reply(self, fd, w, unique, (uint32_t)(OUT_HEADER + len));
+    /* counted before the reply: once it is written, the client may ask for the stats */
     atomic_fetch_add(&self->c.reads, 1);
     atomic_fetch_add(&self->c.pages_read, len / PAGE);
     atomic_fetch_add(&self->c.bytes_read, len);
     observe(self, &self->read_latency, elapsed);
+    reply(self, fd, w, unique, (uint32_t)(OUT_HEADER + len));
     return SERVED;
 }
 
@@ -608,8 +609,8 @@ static int serve_write(Path *self, int fd, const uint8_t *r, ssize_t n, uint8_t 
         return hand_up(self, result);
     memcpy(w + OUT_HEADER, &size, 4);
     memset(w + OUT_HEADER + 4, 0, 4);
-    reply(self, fd, w, unique, OUT_HEADER + WRITE_OUT);
     observe(self, &self->write_latency, elapsed);
+    reply(self, fd, w, unique, OUT_HEADER + WRITE_OUT);
     return SERVED;
 }
 
