@@ -102,14 +102,18 @@ class Codec:
 
 
 def _page_params(level: int, page_size: int) -> zstandard.ZstdCompressionParameters:
-    """Magicless frames without content size, checksum or dict id: the store knows all of
-    that already, and on a ~1 KiB compressed page those 8-12 bytes are ~1% of the ratio."""
+    """Magicless frames without content size or dict id: the store knows both already, and
+    on a ~1 KiB compressed page those bytes are ~1% of the ratio. A multi-page frame (a
+    `page_size` above a page) carries zstd's content checksum (4 bytes a frame, verified by
+    every decode): what the kernel wrote is checked end to end, a dictionary or codec mix-up
+    fails instead of returning other bytes. A page alone is checked by the store instead
+    (its blob's checksum covers the page: store/integrity.py)."""
     return zstandard.ZstdCompressionParameters.from_level(
         level,
         source_size=page_size,
         format=zstandard.FORMAT_ZSTD1_MAGICLESS,
         write_content_size=False,
-        write_checksum=False,
+        write_checksum=page_size > PAGE,
         write_dict_id=False,
     )
 

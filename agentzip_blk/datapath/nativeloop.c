@@ -656,7 +656,8 @@ static PyObject *Path_serve(Path *self, PyObject *args) {
 
 /* set_packing(frame_pages, level): the recompressor's frames (compression.frame_pages,
  * algorithm zstd at `level`), as Placer.store_group compresses them: magicless frames
- * without content size, checksum or dictionary id, parameters for the frame's size. */
+ * without content size or dictionary id, with zstd's content checksum, parameters for the
+ * frame's size. */
 static PyObject *Path_set_packing(Path *self, PyObject *args) {
     int pages, level;
     if (!PyArg_ParseTuple(args, "ii", &pages, &level))
@@ -672,7 +673,8 @@ static PyObject *Path_set_packing(Path *self, PyObject *args) {
     e |= ZSTD_isError(ZSTD_CCtx_setParameter(c, ZSTD_c_compressionLevel, level));
     e |= ZSTD_isError(ZSTD_CCtx_setParameter(c, ZSTD_c_format, ZSTD_f_zstd1_magicless));
     e |= ZSTD_isError(ZSTD_CCtx_setParameter(c, ZSTD_c_contentSizeFlag, 0));
-    e |= ZSTD_isError(ZSTD_CCtx_setParameter(c, ZSTD_c_checksumFlag, 0));
+    /* the content checksum, as codecs._page_params writes it for frames (end to end) */
+    e |= ZSTD_isError(ZSTD_CCtx_setParameter(c, ZSTD_c_checksumFlag, 1));
     e |= ZSTD_isError(ZSTD_CCtx_setParameter(c, ZSTD_c_dictIDFlag, 0));
     e |= ZSTD_isError(ZSTD_CCtx_setParameter(c, ZSTD_c_srcSizeHint, pages * PAGE));
     if (e) {

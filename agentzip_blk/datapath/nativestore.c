@@ -62,18 +62,22 @@ static const uint8_t *servable(const Tables *t, uint32_t blob) {
     return (const uint8_t *)(uintptr_t)(t->a_addr[a] + (uint64_t)t->cell[blob] * t->class_cell[cls]);
 }
 
-/* One warm blob's page decoded into `out`, its checksum verified: 1, or 0 on a mismatch or
- * a codec failure (Python reads it again, counts it and answers EIO). */
+/* The checksum of a page as the kernel wrote it (store.integrity: a page alone is checked
+ * after decoding, so a codec or dictionary mix-up reads as a mismatch). */
+static uint32_t page_csum(const uint8_t *page) {
+    return (uint32_t)XXH3_64bits(page, PAGE);
+}
+
+/* One warm blob's page decoded into `out`, verified against its checksum: 1, or 0 on a
+ * mismatch or a codec failure (Python reads it again, counts it and answers EIO). */
 static int decode_page(const Tables *t, int checksums, uint32_t blob, const uint8_t *src,
                        uint8_t *out) {
     uint16_t len = t->length[blob];
-    if (checksums && (uint32_t)XXH3_64bits(src, len) != t->csum[blob])
-        return 0;
-    if (t->codec[blob] == CODEC_RAW) {
+    if (t->codec[blob] == CODEC_RAW)
         memcpy(out, src, PAGE);
-        return 1;
-    }
-    return LZ4_decompress_safe((const char *)src, (char *)out, len, PAGE) == PAGE;
+    else if (LZ4_decompress_safe((const char *)src, (char *)out, len, PAGE) != PAGE)
+        return 0;
+    return !checksums || page_csum(out) == t->csum[blob];
 }
 
 /* A blob the native side decodes after the lock: zstd without a dictionary in a pool cell,
@@ -209,12 +213,16 @@ int finish_read(const ReadPlan *plan, const uint8_t *scratch, int checksums, voi
     for (uint32_t j = 0; j < plan->njobs; j++) {
         const FrameJob *job = &plan->jobs[j];
         const uint8_t *stored = scratch + job->at;
-        if (checksums && (uint32_t)XXH3_64bits(stored, job->len) != job->csum)
+        uint8_t *frame = frames + (size_t)j * FRAME_BYTES;
+        /* a frame: its stored bytes' checksum, then zstd checks the content checksum it
+         * carries; a page alone: its page checksum after decoding (store.integrity) */
+        if (checksums && job->pages > 1 && (uint32_t)XXH3_64bits(stored, job->len) != job->csum)
             return UP_CORRUPT;
         size_t want = (size_t)job->pages * PAGE;
-        size_t got = ZSTD_decompressDCtx(dctx, frames + (size_t)j * FRAME_BYTES, want, stored,
-                                         job->len);
+        size_t got = ZSTD_decompressDCtx(dctx, frame, want, stored, job->len);
         if (ZSTD_isError(got) || got != want)
+            return UP_CORRUPT;
+        if (checksums && job->pages == 1 && page_csum(frame) != job->csum)
             return UP_CORRUPT;
     }
     for (uint64_t i = 0; i < count; i++) {
@@ -680,7 +688,7 @@ int prepare_write(const WriteParams *p, const uint8_t *data, uint64_t count, Wri
             w->len = PAGE;
             w->codec = CODEC_RAW;
         }
-        w->csum = p->checksums ? (uint32_t)XXH3_64bits(w->stored, w->len) : 0;
+        w->csum = p->checksums ? page_csum(page) : 0;
     }
     return SERVED;
 }
@@ -908,12 +916,13 @@ int native_pack(Tables *t, const WriteParams *p, void *lock, const uint32_t *blo
         if (!q->ok)
             continue;
         const uint8_t *stored = in + i * PAGE;
-        int fine = !p->checksums || (uint32_t)XXH3_64bits(stored, q->len) == q->csum;
-        if (fine && q->codec == CODEC_RAW)
+        int fine = 1;
+        if (q->codec == CODEC_RAW)
             memcpy(dec + i * PAGE, stored, PAGE);
-        else if (fine)
+        else
             fine = LZ4_decompress_safe((const char *)stored, (char *)(dec + i * PAGE), q->len,
                                        PAGE) == PAGE;
+        fine = fine && (!p->checksums || page_csum(dec + i * PAGE) == q->csum);
         if (!fine) {
             q->ok = 0;
             q->bad = 1;
@@ -983,7 +992,10 @@ int native_pack(Tables *t, const WriteParams *p, void *lock, const uint32_t *blo
         t->tier[blob] = TIER_POOL;
         t->atime[blob] = atime;
         t->rtime[blob] = rtime;
-        t->csum[blob] = p->checksums ? (uint32_t)XXH3_64bits(out + good[g] * PAGE, len) : 0;
+        /* a frame: its stored bytes (zstd checks the content); a page alone: the page */
+        uint32_t csum = m > 1 ? (uint32_t)XXH3_64bits(out + good[g] * PAGE, len)
+                              : page_csum(dec + good[g] * PAGE);
+        t->csum[blob] = p->checksums ? csum : 0;
         t->form[blob] = FORM_DENSE;
         bs[BLOB_COUNT] += 1;
         for (uint64_t k = 0; k < m; k++) {

@@ -1,10 +1,15 @@
-"""Blob checksums: every stored blob's bytes carry a 32-bit checksum that every read verifies.
+"""Blob checksums: what the kernel wrote is verified by every read, end to end.
 
-The checksum covers a blob's bytes as stored (compressed, or raw), whatever the codec: zstd
-frames, lz4 pages and raw pages alike, in a pool cell or, after decryption, in the disk
-tier. It is the low 32 bits of xxh3_64, chosen by measurement (tools/bench_integrity.py
-and BENCHMARKS.md): ~0.3 us for a 4 KiB page where zlib.crc32 took ~4.4 us on these hosts.
-A mismatch is EIO (`Corrupt`), counted in `checksum_errors` and logged, never wrong bytes.
+- A page stored alone (warm lz4, raw, a dense page): the blob's 32-bit checksum covers the
+  page as written, and is checked after decoding (`Objects.decode_checked`): a corrupt
+  cell, a codec bug or a wrong dictionary id all read as a mismatch.
+- A multi-page frame: the blob's checksum covers the stored bytes (checked before decoding),
+  and the frame carries zstd's content checksum (codecs._page_params), checked by the
+  decode itself: 4 bytes a frame, 0.25 a page.
+In the disk tier the stored bytes are also sealed (AES-GCM). The checksum is the low 32
+bits of xxh3_64, chosen by measurement (tools/bench_integrity.py and BENCHMARKS.md): ~0.3 us
+for a 4 KiB page where zlib.crc32 took ~4.4 us on these hosts. A mismatch is EIO
+(`Corrupt`), counted in `checksum_errors` and logged, never wrong bytes.
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ class Deferred:
     stored: bytes
     size: int      # decoded bytes: a page, or a frame
     keep: bool     # cache the copy: a frame always, a page when it is hot
-    csum: int = 0  # the blob's checksum, verified after the lock (`Objects.finish`)
+    csum: int = 0  # the blob's checksum, verified after the lock (`Objects.decode_checked`)
     decoding: Decoding | None = None  # this request decompresses the frame for others too
     wait_for: Decoding | None = None  # another request does
 
@@ -122,9 +122,12 @@ class Objects:
 
     # -- new ---------------------------------------------------------------------------
 
-    def new_page(self, stored, codec_id: int, dict_id: int, lo: int, hi: int, now: int) -> int:
-        """A one-page blob with one reference, under its hash in the dedup index."""
-        blob = self._new(stored, codec_id, dict_id, now, 1)
+    def new_page(self, stored, codec_id: int, dict_id: int, lo: int, hi: int, now: int,
+                 page) -> int:
+        """A one-page blob with one reference, under its hash in the dedup index. Its
+        checksum covers `page`, the bytes the kernel wrote, not the stored ones: a codec or
+        dictionary mix-up then reads as a mismatch, never as other bytes."""
+        blob = self._new(stored, codec_id, dict_id, now, 1, integrity.checksum(page))
         key = index_key(lo)  # `hi` is not kept: the bytes decide equality (placement.lookup)
         self.blobs.members[blob, 0] = key
         self.index.insert(key, pack(blob))
@@ -136,7 +139,9 @@ class Objects:
         """A frame of len(keys) pages with one reference per page; `keys` are the pages'
         dedup index keys (a frame's pages keep only those: the bytes decide equality);
         `dict_id` the dictionary it was compressed with (0: none)."""
-        blob = self._new(compressed, codec_id, dict_id, now, len(keys))
+        # a frame: the stored bytes' checksum; its content carries zstd's own (codecs)
+        blob = self._new(compressed, codec_id, dict_id, now, len(keys),
+                         integrity.checksum(compressed))
         self.blobs.ref[blob] = len(keys)
         for sub, key in enumerate(keys):
             self.blobs.members[blob, sub] = key
@@ -144,10 +149,9 @@ class Objects:
         self.codec_pages[codec_id] += len(keys)
         return blob
 
-    def _new(self, stored, codec_id: int, dict_id: int, now: int, pages: int) -> int:
+    def _new(self, stored, codec_id: int, dict_id: int, now: int, pages: int, csum: int) -> int:
         """A blob row for `stored`, in a pool cell, or on disk with the pool at its cap."""
         blobs = self.blobs
-        csum = integrity.checksum(stored)
         try:
             arena, cell = self.pool.alloc(len(stored))
         except PoolFull as exc:
@@ -211,27 +215,37 @@ class Objects:
     # -- bytes ---------------------------------------------------------------------------
 
     def stored_bytes(self, blob: int) -> bytes:
-        """A blob's bytes as stored, verified against its checksum (and, on disk, its AEAD
-        tag); Corrupt, counted and logged, when they do not match."""
+        """A blob's bytes as stored, from its pool cell or its disk extent (checked against
+        the extent's AEAD tag); `decode_checked` verifies them against the blob's checksum."""
         blobs = self.blobs
         length = int(blobs.length[blob])
         if blobs.tier[blob] == POOL:
-            data = self.pool.get(int(blobs.arena[blob]), int(blobs.cell[blob]), length)
-            where = "pool cell"
-        else:
-            try:
-                data = self.disk.read(int(blobs.disk_off[blob]), length, blob, int(blobs.gen[blob]))
-            except DiskError:
-                self.counters.disk_errors += 1
-                raise
-            except Corrupt as exc:
-                self.note_corrupt(exc)
-                raise
-            where = "disk extent"
-        if not integrity.matches(data, int(blobs.csum[blob])):
-            exc = Corrupt(f"blob {blob}: checksum mismatch in its {where}")
+            return self.pool.get(int(blobs.arena[blob]), int(blobs.cell[blob]), length)
+        try:
+            return self.disk.read(int(blobs.disk_off[blob]), length, blob, int(blobs.gen[blob]))
+        except DiskError:
+            self.counters.disk_errors += 1
+            raise
+        except Corrupt as exc:
             self.note_corrupt(exc)
-            raise exc
+            raise
+
+    def decode_checked(self, blob: int, codec_id: int, dict_id: int, stored, size: int,
+                       csum: int, where: str = "pool cell") -> bytes:
+        """What the kernel wrote, from a blob's stored bytes, verified end to end (store/
+        integrity.py): a frame's stored bytes against `csum`, and its content against the
+        checksum zstd keeps in the frame; a page alone against `csum` after decoding.
+        Corrupt when anything does not match or does not decode (no lock needed)."""
+        if size > self.page_size and not integrity.matches(stored, csum):
+            raise Corrupt(f"blob {blob}: checksum mismatch in its {where}")
+        try:
+            data = self.decode(codec_id, stored, dict_id, size)
+        except CodecError as exc:
+            raise Corrupt(f"blob {blob}: checksum mismatch in its {where} (it does not "
+                          f"decode: {exc})") from None
+        if size <= self.page_size and not integrity.matches(data, csum):
+            raise Corrupt(f"blob {blob}: checksum mismatch in its {where} (the page it "
+                          f"decodes to)")
         return data
 
     def note_corrupt(self, exc: Corrupt) -> None:
@@ -260,10 +274,17 @@ class Objects:
         data = self.cached(blob)
         if data is not None:
             return data
-        pages = int(self.blobs.pages[blob])
+        blobs = self.blobs
+        pages = int(blobs.pages[blob])
         stored = self.stored_bytes(blob)
-        data = self.decode(int(self.blobs.codec[blob]), stored, int(self.blobs.dict_id[blob]),
-                           pages * self.page_size)
+        where = "pool cell" if blobs.tier[blob] == POOL else "disk extent"
+        try:
+            data = self.decode_checked(blob, int(blobs.codec[blob]), int(blobs.dict_id[blob]),
+                                       stored, pages * self.page_size, int(blobs.csum[blob]),
+                                       where)
+        except Corrupt as exc:
+            self.note_corrupt(exc)
+            raise
         self.counters.decoded_bytes += len(data)
         if touch and self.blobs.tier[blob] == DISK:
             self.promote(blob, stored)
@@ -311,9 +332,8 @@ class Objects:
                 raise late.wait_for.error or CodecError(f"blob {late.blob}: not decoded")
             return late.wait_for.data
         try:
-            if not integrity.matches(late.stored, late.csum):
-                raise Corrupt(f"blob {late.blob}: checksum mismatch in its pool cell")
-            data = self.decode(late.codec, late.stored, late.dict_id, late.size)
+            data = self.decode_checked(late.blob, late.codec, late.dict_id, late.stored,
+                                       late.size, late.csum)
         except BaseException as exc:
             if late.decoding is not None:
                 late.decoding.error = exc

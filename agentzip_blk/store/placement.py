@@ -286,7 +286,7 @@ class Placer:
         (`compressed`, when `prepare` did it), or raw when that does not pay."""
         stored, codec_id, _ = self.codecs.encode_page(page, self.warm_codec, 0, compressed)
         lo, hi = digest
-        blob = self.objects.new_page(stored, codec_id, 0, lo, hi, now)
+        blob = self.objects.new_page(stored, codec_id, 0, lo, hi, now, page)
         self.objects.blobs.form[blob] = WARM
         return blob
 
@@ -299,4 +299,4 @@ class Placer:
         stored, codec_id, dict_id = self.codecs.encode_page(page, encoder, dict_id, compressed)
         self.dicts.observe(page)
         lo, hi = digest
-        return self.objects.new_page(stored, codec_id, dict_id, lo, hi, now)
+        return self.objects.new_page(stored, codec_id, dict_id, lo, hi, now, page)

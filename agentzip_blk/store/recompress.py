@@ -42,7 +42,7 @@ import numpy as np
 from ..errors import CodecError, StoreFull
 from .blobs import DENSE, POOL, WARM
 from .disk import DiskError
-from .integrity import Corrupt, matches
+from .integrity import Corrupt
 from .slots import BLOB
 
 if TYPE_CHECKING:
@@ -282,9 +282,8 @@ class Recompressor:
         bad: list[_Picked] = []
         for n, p in enumerate(picked):
             try:
-                if not matches(p.stored, p.csum):
-                    raise Corrupt(f"blob {p.blob}: checksum mismatch in its pool cell")
-                pages.append(store.objects.decode(p.codec, p.stored, 0, store.page_size))
+                pages.append(store.objects.decode_checked(p.blob, p.codec, 0, p.stored,
+                                                          store.page_size, p.csum))
                 good.append(n)
             except (Corrupt, CodecError):
                 pages.append(b"")

@@ -199,3 +199,30 @@ def test_a_frame_compressed_with_a_dictionary_unloaded_before_the_lock_is_recomp
         store.objects.frames.discard(blob)
     assert bytes(store.read(0, 16 * PAGE)) == data
     store.check()
+
+
+@pytest.mark.parametrize("kind", ["raw", "full"])
+def test_a_frame_read_with_the_wrong_dictionary_is_eio_never_other_bytes(kind: str):
+    """Issue 27 item 4: the checksum covers what the kernel wrote, not only the stored bytes.
+    A frame whose blob names another dictionary (a bug, a corrupt row) decodes through zstd's
+    content checksum: EIO, counted, never the other bytes."""
+    from agentzip_blk.store.integrity import Corrupt
+
+    store, entry = dict_store(kind)
+    other = store.dicts.registry.add("test-other", as_kind(trained(4, model=True), kind), "host",
+                                     kind=kind)
+    other.load(True)
+    data = b"".join(text_page(i) for i in range(16))
+    store.write(data, 0)
+    blob = int(store.handle[0])
+    assert int(store.blobs.dict_id[blob]) == entry.id
+    for wrong in (other.id, 0):  # another loaded dictionary, and none at all
+        store.blobs.dict_id[blob] = wrong
+        store.objects.frames.discard(blob)
+        before = store.counters.checksum_errors
+        with pytest.raises(Corrupt):
+            store.read(0, PAGE)
+        assert store.counters.checksum_errors == before + 1
+    store.blobs.dict_id[blob] = entry.id
+    store.objects.frames.discard(blob)
+    assert bytes(store.read(0, 16 * PAGE)) == data  # the right one reads back exact

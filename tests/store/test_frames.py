@@ -8,6 +8,8 @@ import random
 
 import pytest
 
+from agentzip_blk.store.integrity import Corrupt
+
 from agentzip_blk.errors import CodecError
 from agentzip_blk.store import PageStore, Tiering
 from agentzip_blk.store.blobs import DISK
@@ -176,8 +178,9 @@ def test_a_unit_decoded_to_the_wrong_size_is_an_error():
     blob = int(st.handle[0])
     st.blobs.pages[blob] = 3  # the books now disagree with the stored frame
     st.frames = type(st.frames)(0)
-    with pytest.raises(CodecError):
+    with pytest.raises(Corrupt, match="does not decode"):  # EIO, counted, never other bytes
         st.read(0, PAGE)
+    assert st.counters.checksum_errors == 1
 
 
 def test_units_in_the_disk_tier_read_back_and_come_home(tmp_path):
