@@ -182,6 +182,7 @@ typedef struct {
     double bounds[NBUCKETS_MAX];
     int nbounds;
     FrameCache fc;   /* under lock->mu */
+    pthread_cond_t decoded; /* with lock->mu: a frame being decoded is done (fc.dec_*) */
     /* counters: atomics, read by Python without the lock */
     StoreCounters c;
     atomic_ullong handed_up, in_flight, reply_errors;
@@ -205,6 +206,7 @@ static void Path_dealloc(Path *self) {
     if (self->fc.data)
         munmap(self->fc.data, (size_t)FRAME_CACHE_ENTRIES * FRAME_BYTES);
     pthread_mutex_destroy(&self->pack_mu);
+    pthread_cond_destroy(&self->decoded);
     Py_XDECREF(self->lock);
     Py_XDECREF(self->keep);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -247,6 +249,7 @@ static int Path_init(Path *self, PyObject *args, PyObject *kw) {
     self->wp.doorbell = -1;
     self->wp.checksums = checksums;
     memset(&self->fc, 0, sizeof self->fc);
+    pthread_cond_init(&self->decoded, NULL);
     pthread_mutex_init(&self->pack_mu, NULL);
     self->pack_cctx = NULL;
     return 0;
@@ -539,22 +542,38 @@ static int serve_read(Path *self, int fd, const uint8_t *r, ssize_t n, uint8_t *
     uint8_t *out = w + OUT_HEADER;
     uint64_t count = len / PAGE;
     pthread_mutex_lock(&self->lock->mu);
-    if (self->bound) {
+    for (int tries = 0; self->bound && tries < 8; tries++) {
         int64_t now = store_now(self->t0, self->tick_base);
-        if (now < TICK_REBASE && now >= 1) /* else Python rebases the ticks */
-            result = native_read(&self->t, &self->fc, self->checksums, now, offset / PAGE, count,
-                                 out, &s->plan, s->stored, sizeof s->stored);
+        if (now >= TICK_REBASE || now < 1) {
+            result = UP_UNBOUND; /* Python rebases the ticks */
+            break;
+        }
+        result = native_read(&self->t, &self->fc, self->checksums, now, offset / PAGE, count,
+                             out, &s->plan, s->stored, sizeof s->stored);
+        if (result != READ_WAIT)
+            break;
+        /* another request decodes a frame this one reads: its copy comes soon */
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_nsec += 5 * 1000 * 1000;
+        if (until.tv_nsec >= 1000000000L) {
+            until.tv_sec += 1;
+            until.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&self->decoded, &self->lock->mu, &until);
     }
+    if (result == READ_WAIT)
+        result = UP_READ_BLOB; /* waited long enough: Python's */
     pthread_mutex_unlock(&self->lock->mu);
     if (result == SERVED && s->plan.njobs) { /* dense blobs: decoded without the lock */
         result = finish_read(&s->plan, s->stored, self->checksums, s->dctx, s->frames, out,
                              count);
-        if (result == SERVED) {
-            pthread_mutex_lock(&self->lock->mu);
-            if (self->bound)
-                cache_frames(&self->t, &self->fc, &s->plan, s->frames, (int)s->plan.njobs);
-            pthread_mutex_unlock(&self->lock->mu);
-        }
+        pthread_mutex_lock(&self->lock->mu);
+        if (result == SERVED && self->bound)
+            cache_frames(&self->t, &self->fc, &s->plan, s->frames, (int)s->plan.njobs);
+        end_decoding(&self->fc, &s->plan);
+        pthread_cond_broadcast(&self->decoded);
+        pthread_mutex_unlock(&self->lock->mu);
     }
     double elapsed = monotonic() - t0;
     atomic_fetch_sub(&self->in_flight, 1);
@@ -778,7 +797,7 @@ static PyObject *Path_counters(Path *self, PyObject *unused) {
     StoreCounters *c = &self->c;
 #define U(x) (unsigned long long)atomic_load(&(x))
     return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsNsNsN}",
+        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsNsNsN}",
         "reads", U(c->reads), "pages_read", U(c->pages_read), "bytes_read", U(c->bytes_read),
         "writes", U(c->writes), "pages_written", U(c->pages_written),
         "bytes_written", U(c->bytes_written), "dedup_hits", U(c->dedup_hits),
@@ -788,6 +807,7 @@ static PyObject *Path_counters(Path *self, PyObject *unused) {
         "pack_kept", U(self->pack_kept), "pack_bad", U(self->pack_bad),
         "frame_cache_hits", (unsigned long long)self->fc.hits,
         "frame_cache_misses", (unsigned long long)self->fc.misses,
+        "frame_cache_waits", (unsigned long long)self->fc.waits,
         "frame_cache_bytes", (unsigned long long)frame_cache_bytes(&self->fc),
         "in_flight", U(self->in_flight), "reply_errors", U(self->reply_errors),
         "handed_up_by", reasons, "read_latency", histogram(self, &self->read_latency),

@@ -174,13 +174,24 @@ int native_read(const Tables *t, FrameCache *fc, int checksums, int64_t now, uin
             job->pages = t->pages[blob];
             job->len = len;
             job->at = (uint32_t)used;
+            job->decoding = -1;
             int32_t a = t->arena[blob];
             memcpy(scratch + used, cell_addr(t, a, t->cell[blob]), len);
             used += len;
-            fc->misses++;
         }
         plan->job_of[i] = (int16_t)j;
         plan->sub_of[i] = sub;
+    }
+    /* A frame another request decodes now: wait for its copy (nothing is changed yet). */
+    for (uint32_t j = 0; j < plan->njobs; j++) {
+        const FrameJob *job = &plan->jobs[j];
+        if (job->pages < 2)
+            continue;
+        for (int d = 0; d < MAX_DECODING; d++)
+            if (fc->dec_active[d] && fc->dec_blob[d] == job->blob && fc->dec_gen[d] == job->gen) {
+                fc->waits++;
+                return READ_WAIT;
+            }
     }
     /* Then each page answered (or left to finish_read), and its access ticks recorded as
      * PageStore._readinto_few records them (a request handed up midway leaves only ticks
@@ -201,6 +212,22 @@ int native_read(const Tables *t, FrameCache *fc, int checksums, int64_t now, uin
         t->rtime[blob] = (uint32_t)now;
         t->atime[blob] = (uint32_t)now;
         t->srtime[slot] = low ? low : 1;
+    }
+    /* Served, once finish_read has decoded the frames left: announced here, for the other
+     * requests to wait on (end_decoding, whatever finish_read says) */
+    for (uint32_t j = 0; j < plan->njobs; j++) {
+        FrameJob *job = &plan->jobs[j];
+        fc->misses++;
+        if (job->pages < 2)
+            continue;
+        for (int d = 0; d < MAX_DECODING; d++)
+            if (!fc->dec_active[d]) {
+                fc->dec_active[d] = 1;
+                fc->dec_blob[d] = job->blob;
+                fc->dec_gen[d] = job->gen;
+                job->decoding = (int16_t)d;
+                break;
+            }
     }
     return SERVED;
 }
@@ -268,6 +295,17 @@ void cache_frames(const Tables *t, FrameCache *fc, const ReadPlan *plan, const u
         fc->valid[victim] = 1;
         fc->resident[victim] = 1;
         fc->used[victim] = when;
+    }
+}
+
+/* Under the lock, after finish_read (whether it decoded or failed) and cache_frames: the
+ * request's frames are no longer being decoded (Objects.settle); the caller wakes those
+ * waiting for them. */
+void end_decoding(FrameCache *fc, const ReadPlan *plan) {
+    for (uint32_t j = 0; j < plan->njobs; j++) {
+        int16_t d = plan->jobs[j].decoding;
+        if (d >= 0)
+            fc->dec_active[d] = 0;
     }
 }
 

@@ -150,6 +150,8 @@ typedef struct {
 
 /* Served, or handed up with the reason; both leave the store's books whole. */
 #define SERVED (-1)
+/* native_read: a frame it needs is being decoded by another request; wait, then ask again */
+#define READ_WAIT (-2)
 
 int64_t store_now(double t0, int64_t tick_base);
 
@@ -158,6 +160,10 @@ int64_t store_now(double t0, int64_t tick_base);
  * store lock; its memory is one mapping, and an entry idle for `idle` seconds gives its
  * pages back (MADV_DONTNEED). */
 #define FRAME_CACHE_ENTRIES 32
+/* Frames being decoded now, by the request that took them: readahead sends a frame's
+ * neighbouring pages in concurrent requests, which wait for its copy instead of decoding
+ * the same frame again (objects.Decoding on the Python side). */
+#define MAX_DECODING 16
 typedef struct {
     uint8_t *data; /* FRAME_CACHE_ENTRIES * FRAME_BYTES, mapped on first use */
     uint32_t blob[FRAME_CACHE_ENTRIES];
@@ -165,7 +171,10 @@ typedef struct {
     uint8_t valid[FRAME_CACHE_ENTRIES];
     uint8_t resident[FRAME_CACHE_ENTRIES]; /* its pages were written since the last drop */
     double used[FRAME_CACHE_ENTRIES];
-    uint64_t hits, misses;
+    uint32_t dec_blob[MAX_DECODING];
+    uint32_t dec_gen[MAX_DECODING];
+    uint8_t dec_active[MAX_DECODING];
+    uint64_t hits, misses, waits;
 } FrameCache;
 
 /* A read's frames to decode after the lock (at most one per page of the request). */
@@ -174,7 +183,7 @@ typedef struct {
     uint16_t pages;
     uint32_t len;
     uint32_t at;        /* offset of its stored bytes in the request's scratch */
-    uint16_t first_out; /* the first page of the request it serves; others follow by sub */
+    int16_t decoding;   /* its entry in FrameCache.dec_*, or -1 */
 } FrameJob;
 
 typedef struct {
@@ -190,6 +199,7 @@ int finish_read(const ReadPlan *plan, const uint8_t *scratch, int checksums, voi
                 uint8_t *frame, uint8_t *out, uint64_t count);
 void cache_frames(const Tables *t, FrameCache *fc, const ReadPlan *plan, const uint8_t *frames,
                   int nframes);
+void end_decoding(FrameCache *fc, const ReadPlan *plan);
 void frame_cache_drop_idle(FrameCache *fc, double idle);
 uint64_t frame_cache_bytes(const FrameCache *fc);
 

@@ -219,3 +219,51 @@ def test_a_page_rewritten_while_its_group_is_packed_keeps_its_new_bytes():
         door.close()
         path.close()
         store.close()
+
+
+def test_concurrent_reads_of_one_frame_decode_it_once():
+    """Readahead sends a frame's neighbouring pages in concurrent requests: one request
+    decodes the frame, the others wait for its copy (FrameCache.dec_*), every page exact."""
+    store = native_store(size=1024 * PAGE, warm_algorithm="lz4", frame_pages=16,
+                         dictionary="none", tiering=cold_tiering())
+    path = native.NativePath(store)
+    door = NativeRequests(store, path)
+    try:
+        rnd = random.Random(12)
+        model = b"".join(text_page(rnd, k) for k in range(256))
+        for first in range(0, 256, 16):
+            door.write(model[first * PAGE:(first + 16) * PAGE], first * PAGE)
+        assert drain(store) == 256 and store.stats()["units"] == 16
+        before = path.counters()
+        failures: list[str] = []
+        doors: list[NativeRequests] = []
+
+        def reader(seed: int) -> None:
+            mine = NativeRequests(store, path)
+            doors.append(mine)
+            order = list(range(256))
+            random.Random(seed).shuffle(order)
+            for slot in order:
+                if mine.read(slot * PAGE, PAGE) != model[slot * PAGE:(slot + 1) * PAGE]:
+                    failures.append(f"slot {slot}")
+
+        threads = [threading.Thread(target=reader, args=(n,)) for n in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        after = path.counters()
+        assert failures == [] and not any(t.is_alive() for t in threads)
+        served = sum(d.native for d in doors)
+        handed = sum(d.python for d in doors)
+        assert served + handed == 4 * 256
+        # each frame decoded natively at most once: the others waited for it, or (a wait
+        # that ran out under load) were handed to Python
+        assert after["frame_cache_misses"] - before["frame_cache_misses"] <= 16
+        store.check()
+        for d in doors:
+            d.close()
+    finally:
+        door.close()
+        path.close()
+        store.close()
