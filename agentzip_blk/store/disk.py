@@ -329,7 +329,6 @@ class DiskTier:
             raise DiskError(f"read from {self.path} at {offset}: {exc.strerror}") from None
         if len(data) != size:
             raise DiskError(f"short read from {self.path} at {offset}")
-        self.reads += 1
         self._drop_cache(offset, size)
         if self._sealer is None:
             return data
@@ -337,6 +336,10 @@ class DiskTier:
             return self._sealer.open(data, self._aad(offset, length, blob, gen))
         except InvalidTag:
             raise Corrupt(f"blob {blob}: AEAD tag mismatch in the disk tier at {offset}") from None
+
+    def reads_done(self, n: int) -> None:
+        """Count reads (under the store lock: `read` itself may run without it)."""
+        self.reads += n
 
     def sync_written(self) -> None:
         """Write back and drop the cached pages of what was written, without the store

@@ -81,11 +81,18 @@ class Decoding:
         self.error: BaseException | None = None
 
 
+class Moved(Exception):
+    """A disk blob read after the store lock was freed and its extent reused meanwhile: the
+    read is done again (PageStore._read_request), never answered with other bytes."""
+
+
 @dataclass
 class Deferred:
-    """A pool blob's bytes as stored, copied under the store lock, to be decompressed after
-    it is released (`Objects.finish`), then cached if the row still holds it (`adopt`).
-    With `wait_for`, another request is decompressing the frame: `finish` takes its bytes."""
+    """A blob to decompress after the store lock is released (`Objects.finish`), then cache
+    if the row still holds it (`adopt`): a pool blob's bytes as stored, copied under the
+    lock, or a disk blob's extent (`disk_off`), read and opened after it, since a disk read
+    waits for the device (promoted in `adopt`, if `promote`). With `wait_for`, another
+    request is decompressing the frame: `finish` takes its bytes."""
     blob: int
     gen: int
     codec: int
@@ -96,6 +103,9 @@ class Deferred:
     csum: int = 0  # the blob's checksum, verified after the lock (`Objects.decode_checked`)
     decoding: Decoding | None = None  # this request decompresses the frame for others too
     wait_for: Decoding | None = None  # another request does
+    disk_off: int | None = None  # a disk blob: its extent, read by `finish`
+    length: int = 0  # its stored length
+    promote: bool = False  # bring it back to the pool once read (a request's read)
 
 
 class Objects:
@@ -222,7 +232,9 @@ class Objects:
         if blobs.tier[blob] == POOL:
             return self.pool.get(int(blobs.arena[blob]), int(blobs.cell[blob]), length)
         try:
-            return self.disk.read(int(blobs.disk_off[blob]), length, blob, int(blobs.gen[blob]))
+            data = self.disk.read(int(blobs.disk_off[blob]), length, blob, int(blobs.gen[blob]))
+            self.disk.reads_done(1)
+            return data
         except DiskError:
             self.counters.disk_errors += 1
             raise
@@ -302,8 +314,6 @@ class Objects:
         if data is not None:
             return data
         blobs = self.blobs
-        if blobs.tier[blob] != POOL:
-            return self.fetch(blob, is_hot, touch)
         pages = int(blobs.pages[blob])
         gen = int(blobs.gen[blob])
         size = pages * self.page_size
@@ -312,9 +322,15 @@ class Objects:
             if other is not None and other.gen == gen:
                 self.counters.unit_hits += 1
                 return Deferred(blob, gen, 0, 0, b"", size, False, wait_for=other)
-        stored = self.pool.get(int(blobs.arena[blob]), int(blobs.cell[blob]), int(blobs.length[blob]))
-        late = Deferred(blob, gen, int(blobs.codec[blob]), int(blobs.dict_id[blob]), stored,
-                        size, pages > 1 or is_hot, int(blobs.csum[blob]))
+        length = int(blobs.length[blob])
+        if blobs.tier[blob] == POOL:
+            stored = self.pool.get(int(blobs.arena[blob]), int(blobs.cell[blob]), length)
+            late = Deferred(blob, gen, int(blobs.codec[blob]), int(blobs.dict_id[blob]), stored,
+                            size, pages > 1 or is_hot, int(blobs.csum[blob]))
+        else:
+            late = Deferred(blob, gen, int(blobs.codec[blob]), int(blobs.dict_id[blob]), b"",
+                            size, pages > 1 or is_hot, int(blobs.csum[blob]),
+                            disk_off=int(blobs.disk_off[blob]), length=length, promote=touch)
         if pages > 1:
             late.decoding = self.decoding[blob] = Decoding(gen)
         return late
@@ -332,8 +348,12 @@ class Objects:
                 raise late.wait_for.error or CodecError(f"blob {late.blob}: not decoded")
             return late.wait_for.data
         try:
+            where = "pool cell"
+            if late.disk_off is not None:
+                late.stored = self.disk.read(late.disk_off, late.length, late.blob, late.gen)
+                where = "disk extent"
             data = self.decode_checked(late.blob, late.codec, late.dict_id, late.stored,
-                                       late.size, late.csum)
+                                       late.size, late.csum, where)
         except BaseException as exc:
             if late.decoding is not None:
                 late.decoding.error = exc
@@ -358,9 +378,21 @@ class Objects:
             return  # the request that decoded it counts and caches it
         self.counters.decoded_bytes += len(data)
         blobs = self.blobs
-        if not late.keep or blobs.ref[late.blob] == 0 or int(blobs.gen[late.blob]) != late.gen:
+        if blobs.ref[late.blob] == 0 or int(blobs.gen[late.blob]) != late.gen:
             return
-        (self.frames if late.size > self.page_size else self.hot).put(late.blob, late.gen, data)
+        if late.keep:
+            (self.frames if late.size > self.page_size else self.hot).put(late.blob, late.gen,
+                                                                           data)
+        if late.disk_off is not None:
+            self.disk.reads_done(1)
+            if late.promote and self.unmoved(late):
+                self.promote(late.blob, late.stored)
+
+    def unmoved(self, late: Deferred) -> bool:
+        """Under the store lock: a deferred disk blob is still where it was read from."""
+        blobs = self.blobs
+        return (blobs.ref[late.blob] > 0 and int(blobs.gen[late.blob]) == late.gen
+                and blobs.tier[late.blob] == DISK and int(blobs.disk_off[late.blob]) == late.disk_off)
 
     def page(self, blob: int, sub: int) -> memoryview | None:
         """Page `sub` of a blob, for a comparison (no access recorded, no promotion); None

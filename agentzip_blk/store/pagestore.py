@@ -39,9 +39,9 @@ from .blobs import BlobTable
 from .cache import HotCache
 from .dedup import SUB_BITS, DedupIndex, HashFn
 from .integrity import Corrupt
-from .disk import DiskTier
+from .disk import DiskError, DiskTier
 from .doorbell import Doorbell
-from .objects import Counters, Deferred, Objects
+from .objects import Counters, Deferred, Moved, Objects
 from .placement import Placer, Prepared
 from .pool import Pool
 from .slots import BLOB, CHUNK_SLOTS, EMPTY, SAME, TICK_MASK, SlotTable
@@ -54,6 +54,7 @@ StoreLock: TypeAlias = ContextManager
 TICKS_PER_SECOND = 100  # 10 ms ticks: uint32 lasts 497 days, then ticks are rebased
 _TICK_REBASE = 1 << 31
 _FEW_PAGES = 8  # requests up to this many pages take the scalar read path
+_MOVED_RETRIES = 3  # reads done again when a disk blob moved under them (objects.Moved)
 # Decompressed frames kept for the reads of their other pages. Readahead reads a frame's
 # pages over a whole swap-in pass, not in one burst (the kernel reclaimed them together but
 # they are faulted back in address order): on the demo 8 frames decoded each frame 2.8 times
@@ -301,14 +302,20 @@ class PageStore:
     def readinto(self, buf, offset: int) -> None:
         self._begin()
         try:
+            for _ in range(_MOVED_RETRIES):
+                try:
+                    self._read_request(buf, offset)
+                    return
+                except Moved:  # a disk blob freed and its extent reused meanwhile: again
+                    continue
             self._read_request(buf, offset)
         finally:
             self._end()
 
     def _read_request(self, buf, offset: int) -> None:
         out = memoryview(buf).cast("B")
-        # Pool blobs are decompressed after the lock (objects.Deferred), so that a read's
-        # decompression does not hold up other requests' bookkeeping.
+        # Blobs are decompressed after the lock (objects.Deferred), and disk blobs read after
+        # it, so that a read's decompression or disk wait does not hold up other requests.
         late: dict[int, tuple[Deferred, list[tuple[int, int]]]] = {}
         with self.lock:
             self._check_range(offset, len(out))
@@ -340,15 +347,23 @@ class PageStore:
             for i, sub in places:
                 out[i * page : (i + 1) * page] = data[sub * page : (sub + 1) * page]
             done.append((blob_late, data.obj))
+        moved = False
         with self.lock:
             for blob_late, data in done:
                 self.objects.adopt(blob_late, data)
-            if failed:
+            for blob_late, exc in failed:
+                self.objects.settle(blob_late)
+                if (blob_late.disk_off is not None and blob_late.wait_for is None
+                        and not self.objects.unmoved(blob_late)):
+                    moved = True  # freed since the lock: its extent may hold another blob
+                elif isinstance(exc, Corrupt) and blob_late.wait_for is None:
+                    self.objects.note_corrupt(exc)  # once, by the request that found it
+                elif isinstance(exc, DiskError) and blob_late.wait_for is None:
+                    self.counters.disk_errors += 1
+            if failed and not moved:
                 self.counters.errors += 1
-                for blob_late, exc in failed:
-                    self.objects.settle(blob_late)
-                    if isinstance(exc, Corrupt) and blob_late.wait_for is None:
-                        self.objects.note_corrupt(exc)  # once, by the request that found it
+        if moved:
+            raise Moved()
         if failed:
             raise failed[0][1]
 

@@ -334,3 +334,33 @@ def test_demotion_writes_outside_the_lock_and_skips_blobs_freed_meanwhile(tmp_pa
         if slot != 3:
             assert store.read(slot * PAGE, PAGE) == page
     store.close()
+
+
+def test_a_disk_read_waits_without_the_lock_and_a_blob_freed_meanwhile_is_read_again(tmp_path):
+    """Issue 27 item 6: a disk blob's extent is read and opened after the store lock (the
+    device's wait holds up no other request). If the blob is freed and its extent punched
+    while the read waits, the AEAD check fails: the read is done again and answers the
+    slot's new bytes, never EIO and never the old extent's."""
+    store = make_store(tmp_path, max_size=1 << 20)
+    old, new, other = os.urandom(PAGE), os.urandom(PAGE), os.urandom(PAGE)
+    store.write(old, 0)
+    store.write(other, PAGE)
+    demote_all(store)
+    assert store.blobs.tier[int(store.handle[0])] == DISK
+    real_read = store.disk.read
+    raced = []
+
+    def racing_read(offset, length, blob, gen):
+        assert not store.lock.locked()  # the device is waited for without the store lock
+        if not raced:
+            raced.append(blob)
+            store.write(new, 0)  # the slot rewritten: its disk blob freed...
+            assert store.tiers.punch_freed() >= 1  # ...and the extent punched
+        return real_read(offset, length, blob, gen)
+
+    store.disk.read = racing_read
+    assert store.read(0, PAGE) == new
+    assert raced and store.counters.checksum_errors == 0 and store.counters.errors == 0
+    store.disk.read = real_read
+    assert store.read(PAGE, PAGE) == other  # the other disk page reads back its own bytes
+    store.check()
