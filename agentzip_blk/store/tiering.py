@@ -25,6 +25,7 @@ import numpy as np
 
 from ..errors import CodecError, StoreFull
 from .blobs import DISK, POOL
+from .slots import BLOB
 from .disk import DiskError, DiskFull
 from .integrity import Corrupt
 from .pool import PoolFull
@@ -47,6 +48,22 @@ REWRITE_ROUNDS = 8  # lock holds per maintenance round
 # (under the lock): a round does a bounded share and the next round goes on
 RETURNED_ROUNDS = 8
 BACKLOG_INTERVAL = 0.05  # s between rounds while the recompressor has work
+
+
+@dataclass
+class _Sparse:
+    """A sparse frame picked for rewriting, as it was under the lock."""
+    blob: int
+    gen: int
+    slots: list[int]
+    subs: list[int]  # each slot's page in the frame
+    stored: bytes
+    codec: int
+    dict_id: int
+    pages: int
+    csum: int
+    atime: int
+    rtime: int
 
 
 @dataclass
@@ -260,62 +277,104 @@ class Tiers:
         """Recompress frames that at most half of their pages are still used by, keeping only
         those pages; returns frames rewritten. A frame stays whole while any page of it is
         held, so without this, overwrites and trims scattered over frames would keep dead
-        pages in memory indefinitely."""
+        pages in memory indefinitely.
+
+        Nothing slow under the store lock (issue 27: no tenant slows the others through it):
+        the frames are picked and their stored bytes copied under it, decoded and compressed
+        again without it, and switched under it again only if each is still as picked (the
+        same generation, held by exactly the slots seen, each still naming the same page)."""
         store = self.store
         if store.frame_pages == 1:
             return 0
-        slots = store.slots
+        picked = self._pick_sparse(limit)
+        if not picked:
+            return 0
+        rebuilt = [self._rebuild_sparse(p) for p in picked]
+        done = 0
         with store.lock:
-            blobs = self.objects.blobs
+            for p, new in zip(picked, rebuilt):
+                if new is None or not self._sparse_unchanged(p):
+                    continue
+                try:
+                    done += self._switch_sparse(p, *new)
+                except (StoreFull, DiskError, CodecError):
+                    break  # no room: the frames stay as they are
+            self.counters.units_rewritten += done
+        return done
+
+    def _pick_sparse(self, limit: int) -> list[_Sparse]:
+        """Under the lock: up to `limit` sparse pool frames, with their slots and bytes."""
+        store, slots, blobs = self.store, self.store.slots, self.objects.blobs
+        with store.lock:
             n = blobs.capacity
             ref = blobs.ref[:n].astype(np.int64)
-            sparse = np.flatnonzero((ref > 0) & (blobs.pages[:n] > 1)
+            sparse = np.flatnonzero((ref > 0) & (blobs.pages[:n] > 1) & (blobs.tier[:n] == POOL)
                                     & (2 * ref <= blobs.pages[:n]))[:limit]
             if not len(sparse):
-                return 0
+                return []
             held = slots.blob_slots()
             held = held[np.isin(slots.handle[held], sparse.astype(np.uint64))]
             slots_of: dict[int, list[int]] = {}
             for slot in held.tolist():
                 slots_of.setdefault(int(slots.handle[slot]), []).append(slot)
-            done = 0
-            for blob, frame_slots in slots_of.items():
-                try:
-                    done += self._rewrite_frame(blob, frame_slots)
-                except (StoreFull, DiskError, CodecError, Corrupt):
-                    break  # no room or a bad read: the frame stays as it is
-            self.counters.units_rewritten += done
-            return done
+            return [_Sparse(blob, int(blobs.gen[blob]), frame_slots,
+                            [int(slots.sub[s]) for s in frame_slots],
+                            self.pool.get(int(blobs.arena[blob]), int(blobs.cell[blob]),
+                                          int(blobs.length[blob])),
+                            int(blobs.codec[blob]), int(blobs.dict_id[blob]),
+                            int(blobs.pages[blob]), int(blobs.csum[blob]),
+                            int(blobs.atime[blob]), int(blobs.rtime[blob]))
+                    for blob, frame_slots in slots_of.items()]
 
-    def _rewrite_frame(self, blob: int, frame_slots: list[int]) -> int:
-        store, objects, slots = self.store, self.objects, self.store.slots
+    def _rebuild_sparse(self, p: _Sparse):
+        """Without the lock: the frame's live pages, their hashes and their new frame (None
+        when the frame does not read back: the reads will say so)."""
+        store = self.store
         page = store.page_size
-        data = memoryview(objects.fetch(blob))
-        subs = sorted({int(slots.sub[slot]) for slot in frame_slots})
+        try:
+            data = memoryview(self.objects.decode_checked(
+                p.blob, p.codec, p.dict_id, p.stored, p.pages * page, p.csum))
+        except (Corrupt, CodecError):
+            return None
+        subs = sorted(set(p.subs))
         pages = [data[sub * page : (sub + 1) * page] for sub in subs]
-        hashes = store.placer.hashes(pages)  # keyed per store (dedup.PageHasher)
+        frames = {}
+        if len(pages) > 1 and store.frame_codec is not None:
+            frames[tuple(range(len(pages)))] = (store.frame_codec.compress(b"".join(pages)), 0)
+        return subs, pages, store.placer.hashes(pages), frames
+
+    def _sparse_unchanged(self, p: _Sparse) -> bool:
+        slots, blobs = self.store.slots, self.objects.blobs
+        if blobs.ref[p.blob] != len(p.slots) or int(blobs.gen[p.blob]) != p.gen:
+            return False
+        return all(slots.kind[s] == BLOB and int(slots.handle[s]) == p.blob
+                   and int(slots.sub[s]) == sub for s, sub in zip(p.slots, p.subs))
+
+    def _switch_sparse(self, p: _Sparse, subs: list[int], pages: list, hashes: list,
+                       frames: dict) -> int:
+        """Under the lock: the frame's live pages stored anew (Placer.store_group, with the
+        frame compressed already), its slots switched to them, the old frame released."""
+        store, objects, slots = self.store, self.objects, self.store.slots
         placed: list[tuple[int, int]] = [(0, 0)] * len(pages)
         staged: list[int] = []
-        now = int(objects.blobs.atime[blob])  # the pages keep their age
-        last_read = int(objects.blobs.rtime[blob])  # and their last read (ping-pong)
-        try:
-            store.placer.store_group(list(range(len(pages))), pages, hashes, now, None,
-                                     placed, staged)
+        try:  # the pages keep their age
+            store.placer.store_group(list(range(len(pages))), pages, hashes, p.atime, None,
+                                     placed, staged, frames)
         except BaseException:
             for new in staged:
                 objects.release(new)
             raise
         for new in set(staged):
-            objects.blobs.rtime[new] = last_read
+            objects.blobs.rtime[new] = p.rtime  # and their last read (ping-pong)
         home = dict(zip(subs, placed))
         taken = set()
-        for slot in frame_slots:
-            new, new_sub = home[int(slots.sub[slot])]
+        for slot, sub in zip(p.slots, p.subs):
+            new, new_sub = home[sub]
             if (new, new_sub) in taken:
                 objects.ref(new)  # a second slot sharing that page
             taken.add((new, new_sub))
             slots.handle[slot], slots.sub[slot] = new, new_sub
-            objects.release(blob)
+            objects.release(p.blob)
         return 1
 
     def fragmentation(self) -> float:
