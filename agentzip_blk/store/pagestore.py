@@ -484,7 +484,7 @@ class PageStore:
         placed: list[tuple[int, int]] = [(0, 0)] * len(pages)  # (blob, page in blob)
         try:
             self.placer.place(pages, now, placed, staged, early.hashes, early.frames, early.copies,
-                              early.warm, early.alone, early.choice)
+                              early.warm)
             if self.disk and self.disk.writes != disk_before:
                 # Inside the try: a failed write-back fails the request and releases its
                 # staged blobs (they used to leak, with no slot referring to them).

@@ -57,11 +57,6 @@ class Prepared:
     frames: dict[tuple[int, ...], tuple[bytes, int]] = field(default_factory=dict)
     # the warm form: each new page (by position in `pages`) compressed alone, fast
     warm: dict[int, bytes] = field(default_factory=dict)
-    # the pages a frame will not hold (a group of one, or one that does not pay), compressed
-    # alone with the request's choice for such pages (`choice`), so that no compression or
-    # dictionary trial is left for under the lock (issue 27: nothing slow under it)
-    alone: dict[int, bytes] = field(default_factory=dict)
-    choice: Choice | None = None
 
 
 def first_copies(pages: list[memoryview], hashes: list[tuple[int, int]],
@@ -99,10 +94,6 @@ class _Chooser:
         if self._choice is None:
             self._choice = self._dicts.choose(self._pages)
         return self._choice
-
-    def preset(self, choice: Choice) -> None:
-        """The choice `prepare` made before the lock."""
-        self._choice = choice
 
 
 class Placer:
@@ -169,13 +160,6 @@ class Placer:
             for k, group in enumerate(g for g in groups if len(g) > 1):
                 out = choice.sample_out if k == choice.sample else choice.codec.compress(joined[k])
                 early.frames[group] = (out, choice.dict_id)
-        alone = [n for g in groups
-                 if len(g) == 1 or not pays(len(early.frames[g][0]), len(g)) for n in g]
-        if alone:
-            early.choice = choice = self.dicts.choose(early.pages)
-            for n in alone:
-                early.alone[n] = (choice.sample_out if n == choice.sample
-                                  else choice.codec.compress(early.pages[n]))
         return early
 
     def hashes(self, pages: list[memoryview]) -> list[tuple[int, int]]:
@@ -189,13 +173,12 @@ class Placer:
               hashes: list[tuple[int, int]] | None = None,
               frames: dict[tuple[int, ...], tuple[bytes, int]] | None = None,
               copies: tuple[list[int], dict[int, int]] | None = None,
-              warm: dict[int, bytes] | None = None, alone: dict[int, bytes] | None = None,
-              choice: Choice | None = None) -> None:
+              warm: dict[int, bytes] | None = None) -> None:
         """Find or store a home for each page: an equal page already stored (any blob, any
         page of a frame), an equal page earlier in this request, or a new blob (warm, or
         in a frame). Fills `placed` with (blob, page in blob) and appends every reference
-        taken to `staged`. `hashes`, `frames`, `copies`, `warm`, `alone` and `choice` come
-        from `prepare` when it ran."""
+        taken to `staged`. `hashes`, `frames`, `copies` and `warm` come from `prepare`
+        when it ran."""
         if hashes is None:
             hashes = self.hashes(pages)
         firsts, repeat_of = copies if copies is not None else first_copies(pages, hashes, self.dedup)
@@ -228,14 +211,9 @@ class Placer:
             fresh = []
         step = self.frame_pages
         chooser = _Chooser(self.dicts, pages)
-        if choice is not None and (not choice.dict_id
-                                   or self.dicts.registry.registered(choice.dict_id)):
-            chooser.preset(choice)
-        else:  # its dictionary was unloaded since: chosen again, compressed under the lock
-            alone = None
         for start in range(0, len(fresh), step):
             self.store_group(fresh[start : start + step], pages, hashes, now, chooser,
-                             placed, staged, frames, alone)
+                             placed, staged, frames)
         for n, earlier in repeats:
             blob = placed[earlier][0]
             self.objects.ref(blob)
@@ -272,12 +250,10 @@ class Placer:
     def store_group(self, group: list[int], pages: list[memoryview],
                     hashes: list[tuple[int, int]], now: int, chooser: _Chooser | None,
                     placed: list[tuple[int, int]], staged: list[int],
-                    frames: dict[tuple[int, ...], tuple[bytes, int]] | None = None,
-                    alone: dict[int, bytes] | None = None) -> None:
+                    frames: dict[tuple[int, ...], tuple[bytes, int]] | None = None) -> None:
         """Store the pages at positions `group`: as one frame when there are several and
         they compress well enough together, else one blob per page. `frames` may hold the
-        group already compressed (a page found stored shifts the groups: then not), `alone`
-        its pages compressed one by one with `chooser`'s choice."""
+        group already compressed (a page found stored shifts the groups: then not)."""
         if len(group) > 1:
             # Compressed by `prepare` with the request's dictionary choice; recompressed here
             # (rare: the groups shifted, or that dictionary was unloaded since) without one.
@@ -299,10 +275,8 @@ class Placer:
             self.counters.unit_fallbacks += 1
         for n in group:
             choice = chooser.get() if chooser is not None else None
-            early = (alone or {}).get(n)
-            if early is None and choice is not None and n == choice.sample:
-                early = choice.sample_out
-            blob = self.store_page(pages[n], hashes[n], now, choice, early)
+            sample = choice.sample_out if choice is not None and n == choice.sample else None
+            blob = self.store_page(pages[n], hashes[n], now, choice, sample)
             placed[n] = (blob, 0)
             staged.append(blob)
 

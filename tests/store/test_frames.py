@@ -270,33 +270,3 @@ def test_a_sparse_frame_is_compressed_again_without_the_store_lock_and_a_race_lo
     assert st.rewrite_sparse_frames() == 1  # picked again: now it goes
     assert read_pages(st, 0, 16) == data
     st.check()
-
-
-def test_pages_a_frame_will_not_hold_are_compressed_before_the_store_lock():
-    """Issue 27 item 6: a tenant writing incompressible pages (frames that do not pay, so
-    pages stored one by one, with a dictionary trial) puts none of that compression under
-    the store lock that every other tenant's fault waits for."""
-    import random as _random
-
-    st = store(8, dictionary="none")
-    compressions = []
-
-    def watched(codec):
-        real = codec.compress
-
-        def compress(data):
-            compressions.append(st.lock.locked())
-            return real(data)
-        return compress
-
-    st.codecs.writer.compress = watched(st.codecs.writer)
-    st.frame_codec.compress = watched(st.frame_codec)
-    rnd = _random.Random(4)
-    noise = rnd.randbytes(9 * PAGE)  # a frame of 8 that does not pay, and a page alone
-    st.write(noise, 0)
-    text = pages(50, 9)  # a frame that pays, and a page alone
-    st.write(text, 16 * PAGE)
-    assert compressions and not any(compressions)
-    assert st.stats()["unit_fallbacks"] == 1
-    assert read_pages(st, 0, 9) == noise and read_pages(st, 16, 9) == text
-    st.check()
