@@ -465,7 +465,13 @@ class Agentzip(NoSwap):
                                       "pool_pages", "disk_pages", "returned_pages",
                                       "returned_pool_pages", "returned_demotions",
                                       "recompress_backlog", "recompressed_pages_total",
-                                      "recompress_cpu_seconds_total")}
+                                      "recompress_cpu_seconds_total", "kernel_freed_pages",
+                                      "warm_stored", "cold_stored", "meta_bytes", "meta",
+                                      "pool_resident_bytes", "pool_bytes", "hot_cache_bytes",
+                                      "unique_blobs", "dedup_hits")}
+        server = st.get("server") or {}
+        out["datapath"] = server.get("datapath")
+        out["swap_map"] = server.get("swap_map")
         out["server_rss"] = self.store_bytes()
         return out
 

@@ -32,7 +32,6 @@ waits while requests are in flight (requests first).
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -83,11 +82,17 @@ class Recompressor:
         # CPU spent is at most budget x wall time plus (1 - budget) x this
         self.last_pass_cpu = 0.0
         self.raced = 0  # groups left as they were: changed while being packed
-        # candidates found by the last scan, in slot order, with the slots and generation
-        # each had then (checked again at the pick and at the switch)
-        self._queue: deque[int] = deque()
+        # Candidates found by the last scan, in slot order, with the generation and the
+        # first slot each had then (checked again at the pick and at the switch), and how
+        # many slots hold it; the slots of the few held by several (dedup) in a dict. In
+        # numpy, not Python objects: a scan finds hundreds of thousands, and a dict of lists
+        # for them cost ~300 B each of server memory that the allocator kept.
+        self._q_blob = np.zeros(0, dtype=np.uint32)
+        self._q_gen = np.zeros(0, dtype=np.uint32)
+        self._q_slot = np.zeros(0, dtype=np.uint64)
+        self._q_count = np.zeros(0, dtype=np.uint32)
+        self._q_pos = 0
         self._slots_of: dict[int, list[int]] = {}
-        self._gen_of: dict[int, int] = {}
         self._queue_pressure = False
         # datapath.native.NativePath.pack when the native path packs: (blobs, gens, slots)
         # -> (switched, raced, kept, bad, room)
@@ -191,34 +196,35 @@ class Recompressor:
         store, blobs = self.store, self.store.blobs
         with store.lock:
             if pressure != self._queue_pressure:
-                self._queue.clear()
-            if not self._queue:
+                self._q_pos = len(self._q_blob)
+            if self._q_pos >= len(self._q_blob):
                 self._scan(pressure)
-            chosen: list[int] = []
-            while self._queue and len(chosen) < CHUNK_PAGES:
-                blob = self._queue.popleft()
-                if self._candidate(blob, pressure):
-                    chosen.append(blob)
-            alone: list[int] = []
-            if self.native_pack is not None:
-                alone = [b for b in chosen if len(self._slots_of[b]) == 1 and blobs.ref[b] == 1]
-                taken = set(alone)
-                chosen = [b for b in chosen if b not in taken]
+            end = self._q_pos + CHUNK_PAGES
+            ids = self._q_blob[self._q_pos:end].astype(np.int64)
+            gens, first = self._q_gen[self._q_pos:end], self._q_slot[self._q_pos:end]
+            count = self._q_count[self._q_pos:end]
+            self._q_pos = end
+            keep = self._candidates(ids, gens, pressure)
+            ids, gens, first, count = ids[keep], gens[keep], first[keep], count[keep]
+            alone = (count == 1) & (blobs.ref[ids] == 1)
+            if self.native_pack is None:
+                alone[:] = False
             native = None
-            if alone:
-                native = (np.array(alone, dtype=np.uint32),
-                          np.array([self._gen_of[b] for b in alone], dtype=np.uint32),
-                          np.array([self._slots_of.pop(b)[0] for b in alone], dtype=np.uint64))
+            if alone.any():
+                native = (ids[alone].astype(np.uint32), gens[alone].astype(np.uint32),
+                          first[alone].astype(np.uint64))
             pool = store.pool
-            picked = [
-                _Picked(blob, int(blobs.gen[blob]), self._slots_of.pop(blob),
-                        pool.get(int(blobs.arena[blob]), int(blobs.cell[blob]),
-                                 int(blobs.length[blob])),
-                        int(blobs.codec[blob]), int(blobs.csum[blob]),
-                        int(blobs.atime[blob]), int(blobs.rtime[blob]))
-                for blob in chosen
-            ]
-            if not self._queue:
+            picked = []
+            for blob, slot, n in zip(ids[~alone].tolist(), first[~alone].tolist(),
+                                     count[~alone].tolist()):
+                picked.append(_Picked(
+                    blob, int(blobs.gen[blob]),
+                    self._slots_of.get(blob, [slot]) if n > 1 else [slot],
+                    pool.get(int(blobs.arena[blob]), int(blobs.cell[blob]),
+                             int(blobs.length[blob])),
+                    int(blobs.codec[blob]), int(blobs.csum[blob]),
+                    int(blobs.atime[blob]), int(blobs.rtime[blob])))
+            if self._q_pos >= len(self._q_blob):
                 self._slots_of.clear()
             return native, picked
 
@@ -235,23 +241,27 @@ class Recompressor:
                      | (blobs.rtime[:n] > 0))
         return warm
 
-    def _candidate(self, blob: int, pressure: bool) -> bool:
-        """Whether a queued blob is still one to pack (it may have gone or been read)."""
-        blobs = self.store.blobs
-        if blobs.ref[blob] == 0 or blobs.form[blob] != WARM or blobs.tier[blob] != POOL:
-            return False
-        if int(blobs.gen[blob]) != self._gen_of.get(blob, -1):
-            return False
-        return (pressure or blobs.rtime[blob] > 0
-                or self.store.now() - int(blobs.atime[blob]) >= self.store.cold_ticks)
+    def _candidates(self, ids: np.ndarray, gens: np.ndarray, pressure: bool) -> np.ndarray:
+        """Which queued blobs are still ones to pack (they may have gone or been read)."""
+        blobs, store = self.store.blobs, self.store
+        ok = ((blobs.ref[ids] > 0) & (blobs.form[ids] == WARM) & (blobs.tier[ids] == POOL)
+              & (blobs.gen[ids] == gens))
+        if not pressure:
+            ok &= ((blobs.rtime[ids] > 0)
+                   | (store.now() - blobs.atime[ids].astype(np.int64) >= store.cold_ticks))
+        return ok
 
     def _scan(self, pressure: bool) -> None:
         """The queue: every candidate blob in the order of the slots that hold them (under
-        pool pressure the oldest QUEUE_PAGES first), with those slots and generations."""
+        pool pressure the oldest QUEUE_PAGES first), with its generation, first slot and
+        slot count (and, for the few held by several slots, those slots)."""
         blobs, slots = self.store.blobs, self.store.slots
         self._queue_pressure = pressure
         self._slots_of.clear()
-        self._gen_of.clear()
+        self._q_pos = 0
+        empty = np.zeros(0, dtype=np.uint32)
+        self._q_blob, self._q_gen, self._q_count = empty, empty, empty
+        self._q_slot = np.zeros(0, dtype=np.uint64)
         warm = self._warm_mask(pressure)
         if not warm.any():
             return
@@ -264,14 +274,17 @@ class Recompressor:
             oldest = uniq[np.argsort(blobs.atime[uniq], kind="stable")][:QUEUE_PAGES]
             keep = np.isin(owners, oldest)
             held, owners = held[keep], owners[keep]
-        _, first = np.unique(owners, return_index=True)
-        order = owners[np.sort(first)].tolist()
-        slots_of: dict[int, list[int]] = {blob: [] for blob in order}
-        for slot, blob in zip(held.tolist(), owners.tolist()):
-            slots_of[blob].append(slot)
-        self._slots_of = slots_of
-        self._gen_of = {blob: int(blobs.gen[blob]) for blob in order}
-        self._queue.extend(order)
+        uniq, first, count = np.unique(owners, return_index=True, return_counts=True)
+        order = np.argsort(first, kind="stable")  # by the first slot holding each
+        self._q_blob = uniq[order].astype(np.uint32)
+        self._q_gen = blobs.gen[uniq[order]].astype(np.uint32)
+        self._q_slot = held[first[order]].astype(np.uint64)
+        self._q_count = count[order].astype(np.uint32)
+        shared = uniq[count > 1]
+        if len(shared):  # rare: warm pages dedup shares
+            for slot, blob in zip(held[np.isin(owners, shared)].tolist(),
+                                  owners[np.isin(owners, shared)].tolist()):
+                self._slots_of.setdefault(blob, []).append(slot)
 
     def _decode(self, picked: list[_Picked]) -> tuple[list[bytes], list[list[int]], list[_Picked]]:
         """The pages, the groups of positions to pack together (runs of frame_pages in slot
