@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import CodecError, StoreFull
-from .blobs import DISK, POOL
+from .blobs import DISK, POOL, TAIL_RELEASE_ROWS, WARM
 from .slots import BLOB
 from .disk import DiskError, DiskFull
 from .integrity import Corrupt
@@ -48,6 +48,11 @@ REWRITE_ROUNDS = 8  # lock holds per maintenance round
 # (under the lock): a round does a bounded share and the next round goes on
 RETURNED_ROUNDS = 8
 BACKLOG_INTERVAL = 0.05  # s between rounds while the recompressor has work
+# compact_rows: live rows moved down per hold of the store lock, holds per round, and the
+# share of rows handed out over rows in use below which the table is left as it is
+ROW_CHUNK = 1024
+ROW_ROUNDS = 8
+ROW_SLACK = 1.25
 
 
 @dataclass
@@ -472,6 +477,39 @@ class Tiers:
         with store.lock:
             return blobs.adopt(arrays)
 
+    def compact_rows(self) -> int:
+        """Give back the blob table's top: live pool rows above the rows in use are moved
+        down into free ones (Objects.renumber; their slots re-pointed), ROW_CHUNK per hold
+        of the store lock, then the free top is released (BlobTable.release_tail). Warm
+        pages take a row each and their frames one per 16, wherever the free rows were, so
+        without this the table keeps the rows of a burst long after it was packed."""
+        store, blobs, slots = self.store, self.objects.blobs, self.store.slots
+        moved_total = 0
+        for _ in range(ROW_ROUNDS):
+            with store.lock:
+                rows, live = blobs.rows, blobs.count
+                if rows < TAIL_RELEASE_ROWS or rows <= ROW_SLACK * live:
+                    break
+                above = live + np.flatnonzero(blobs.ref[live:rows] > 0)
+                # dense pool blobs: warm ones are packed soon (and moving them would
+                # invalidate the recompressor's queue, which names them by row)
+                above = above[(blobs.tier[above] == POOL) & (blobs.form[above] != WARM)]
+                above = above[-ROW_CHUNK:]
+                moved = self.objects.renumber(above.tolist())
+                if not moved:
+                    break
+                old = np.fromiter(moved.keys(), dtype=np.int64, count=len(moved))
+                new = np.fromiter(moved.values(), dtype=np.int64, count=len(moved))
+                held = slots.blob_slots()
+                handles = slots.handle[held].astype(np.int64)
+                hit = np.isin(handles, old)
+                order = np.argsort(old)
+                slots.handle[held[hit]] = new[order][np.searchsorted(old[order], handles[hit])]
+                moved_total += len(moved)
+        with store.lock:
+            blobs.release_tail()
+        return moved_total
+
     def grow_arena_books(self) -> bool:
         """The pool's per-arena arrays, ahead of need (pool.Pool.wanted): the native request
         path maps arenas itself, but cannot grow the arrays that name them."""
@@ -505,9 +543,7 @@ class Tiers:
         # first, whatever their age (a dense frame is what should go to disk, if anything).
         reclaiming = self.pool.allocated_bytes >= self.reclaim_bytes
         recompressed = self.store.recompressor.run(pressure=reclaiming)
-        if recompressed:
-            with self.store.lock:  # 16 warm rows became one frame's: give the top back
-                self.objects.blobs.release_tail()
+        self.compact_rows()  # 16 warm rows became one frame's: the top of the table goes back
         demoted = 0
         if self._returned_go_to_disk():
             demoted += self.demote_returned()

@@ -267,3 +267,39 @@ def test_concurrent_reads_of_one_frame_decode_it_once():
         door.close()
         path.close()
         store.close()
+
+
+def test_the_rows_of_pages_the_native_packer_packed_go_back():
+    """Warm pages take a blob row each, their frames one per 16 wherever the free rows were:
+    the maintainer moves the live rows down (their slots re-pointed) and gives the free top
+    of the table back (Tiers.compact_rows), every page exact."""
+    store = native_store(size=8192 * PAGE, warm_algorithm="lz4", frame_pages=16,
+                         dictionary="none", tiering=cold_tiering())
+    path = native.NativePath(store)
+    door = NativeRequests(store, path)
+    try:
+        rnd = random.Random(21)
+        model = bytearray()
+        for first in range(0, 6000, 16):
+            n = min(16, 6000 - first)
+            data = b"".join(text_page(rnd, first + k) for k in range(n))
+            door.write(data, first * PAGE)
+            model += data
+        warm_rows = store.blobs.rows
+        before = store.stats()["meta"]["blob_table"]
+        time.sleep(0.03)  # past the grace period
+        for _ in range(6):
+            store.maintain()  # packs (natively), then moves rows down and gives the top back
+        s = store.stats()
+        assert s["warm_pages"] == 0 and path.counters()["packed_pages"] == 6000
+        assert store.blobs.rows <= s["unique_blobs"] + 64 < warm_rows // 8
+        assert s["meta"]["blob_table"] < before / 4
+        for first in range(0, 6000, 16):
+            n = min(16, 6000 - first)
+            want = bytes(model[first * PAGE:(first + n) * PAGE])
+            assert door.read(first * PAGE, n * PAGE) == want
+        store.check()
+    finally:
+        door.close()
+        path.close()
+        store.close()
