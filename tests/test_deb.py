@@ -133,7 +133,10 @@ def test_the_file_list_holds_what_a_host_needs(deb):
         f"{LIB}/libagentzip-mlock.so",  # prebuilt: `up` compiles nothing
         "etc/agentzip/config.yaml",
         "usr/share/man/man1/agentzip-blk.1.gz",
+        "usr/share/man/man5/agentzip-blk.yaml.5.gz",  # the config file's page
         "usr/share/bash-completion/completions/agentzip-blk",
+        "usr/share/zsh/vendor-completions/_agentzip-blk",
+        "usr/share/fish/vendor_completions.d/agentzip-blk.fish",
         "usr/share/doc/agentzip-blk/copyright",
         "usr/share/doc/agentzip-blk/changelog.gz",
         "usr/share/doc/agentzip-blk/README.md",  # the units' Documentation=file:
@@ -311,6 +314,55 @@ def test_the_bash_completion_loads_and_completes_subcommands(installed):
               'printf "%s\\n" "${COMPREPLY[@]}"')
     r = run(["bash", "-c", script])
     assert set(r.stdout.split()) >= {"status", "stats"}, r.stdout + r.stderr
+
+
+def test_the_config_man_page_documents_every_key_with_its_default(installed):
+    from agentzip_blk.config import reference
+    page = installed / "usr/share/man/man5/agentzip-blk.yaml.5.gz"
+    src = gzip.decompress(page.read_bytes())
+    if shutil.which("groff"):
+        r = subprocess.run(["groff", "-man", "-Tutf8", "-ww", "-z"], input=src,
+                           capture_output=True, timeout=60)
+        assert r.returncode == 0 and not r.stderr, r.stderr
+    r = run(["man", "-l", "-Tutf8", str(page)], env=dict(os.environ, MANWIDTH="200"))
+    assert r.returncode == 0, r.stderr
+    text = re.sub(r".\x08", "", r.stdout)
+    assert "AGENTZIP-BLK.YAML(5)" in text
+    for k in reference.KEYS:
+        if k.name == "scopes":
+            continue
+        section, key = k.name.split(".")
+        default = reference.value_text(k.name, reference.default_of(k.name))
+        assert re.search(rf"^\s+{key} \(default {re.escape(default)}\)$", text, re.M), k.name
+        assert section.upper() in text
+    # agentzip-blk(1) points at it
+    one = gzip.decompress((installed / "usr/share/man/man1/agentzip-blk.1.gz").read_bytes())
+    assert b"agentzip\\-blk.yaml" in one or b"agentzip-blk.yaml" in one
+
+
+@pytest.mark.skipif(shutil.which("fish") is None, reason="fish missing (apt-get install fish)")
+def test_the_fish_completion_completes_subcommands_and_options(installed):
+    comp = installed / "usr/share/fish/vendor_completions.d/agentzip-blk.fish"
+    r = run(["fish", "--no-config", "-c", f"source {comp}; complete -C 'agentzip-blk st'; "
+             "echo ---; complete -C 'agentzip-blk status --'; echo ---; "
+             "complete -C 'agentzip-blk config '"])
+    assert r.returncode == 0, r.stderr
+    first, options, config = r.stdout.split("---\n")
+    assert {line.split("\t")[0] for line in first.splitlines()} == {"status", "stats"}
+    assert {"--json", "--noheadings", "--run-dir"} <= {line.split("\t")[0] for line in
+                                                       options.splitlines()}
+    assert [line.split("\t")[0] for line in config.splitlines()] == ["show"]
+
+
+@pytest.mark.skipif(shutil.which("zsh") is None, reason="zsh missing (apt-get install zsh)")
+def test_the_zsh_completion_registers_with_compinit(installed):
+    comp_dir = installed / "usr/share/zsh/vendor-completions"
+    assert run(["zsh", "-n", str(comp_dir / "_agentzip-blk")]).returncode == 0
+    r = run(["zsh", "-f", "-c", f"fpath=({comp_dir} $fpath); autoload -U compinit; "
+             "compinit -u -D; print -r -- ${_comps[agentzip-blk]}"])
+    assert r.stdout.strip() == "_agentzip-blk", r.stdout + r.stderr
+    text = (comp_dir / "_agentzip-blk").read_text()
+    assert "status:" in text and "install-units:" in text
 
 
 def test_lintian_reports_no_errors(slow_checks):

@@ -24,6 +24,8 @@
 # - the systemd units in /usr/lib/systemd/system (install-units with --unit-dir), the default
 #   /etc/agentzip/config.yaml (a conffile: every key commented out), the man page and the bash
 #   completion generated from the CLI parser (tools/debian/gen_docs.py), copyright, changelog.
+# - agentzip-blk.yaml(5) and the conffile, both from agentzip_blk/config/reference.py; zsh and
+#   fish completion beside bash's (Debian's vendor directories: no shell package needed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -51,7 +53,9 @@ STAGE=$(mktemp -d)
 trap 'rm -rf "$STAGE"' EXIT
 S=$STAGE/$PKG
 mkdir -p "$S/DEBIAN" "$S/$LIBDIR" "$S/usr/bin" "$S/etc/agentzip" "$S/usr/share/man/man1" \
-         "$S/usr/share/bash-completion/completions" "$S/usr/share/doc/$PKG"
+         "$S/usr/share/man/man5" "$S/usr/share/bash-completion/completions" \
+         "$S/usr/share/zsh/vendor-completions" "$S/usr/share/fish/vendor_completions.d" \
+         "$S/usr/share/doc/$PKG" "$S/usr/share/$PKG"
 
 # the package: its sources and package data, not what running it left behind
 (cd "$ROOT" && find agentzip_blk -type f ! -path '*/__pycache__/*' ! -name '*.pyc' ! -name '*.so' \
@@ -105,10 +109,14 @@ PYTHONPATH=$ROOT "$PYTHON" -m agentzip_blk.cli install-units --prefix "$S" \
 install -m 0644 "$DEB/config.yaml" "$S/etc/agentzip/config.yaml"
 echo /etc/agentzip/config.yaml > "$S/DEBIAN/conffiles"
 
-# man page and completion from the parser
+# man pages and completions: agentzip-blk(1) and bash/zsh/fish from the parser,
+# agentzip-blk.yaml(5) from config/reference.py (the conffile's source too)
 PYTHONPATH=$ROOT "$PYTHON" "$DEB/gen_docs.py" "$STAGE/docs"
 gzip -9n < "$STAGE/docs/$PKG.1" > "$S/usr/share/man/man1/$PKG.1.gz"
+gzip -9n < "$STAGE/docs/$PKG.yaml.5" > "$S/usr/share/man/man5/$PKG.yaml.5.gz"
 install -m 0644 "$STAGE/docs/$PKG.bash" "$S/usr/share/bash-completion/completions/$PKG"
+install -m 0644 "$STAGE/docs/_$PKG" "$S/usr/share/zsh/vendor-completions/_$PKG"
+install -m 0644 "$STAGE/docs/$PKG.fish" "$S/usr/share/fish/vendor_completions.d/$PKG.fish"
 
 # documentation
 awk -v lic="$ZSTD_LICENSE" '{ if ($0 == "@ZSTANDARD_LICENSE@") print lic; else print }' \
