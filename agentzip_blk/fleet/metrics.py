@@ -364,11 +364,13 @@ class BuildInfo:
 
         return cls(__version__, platform.python_version(), _nbdkit_version())
 
-    def metric(self) -> Metric:
-        m = GaugeMetricFamily(_n("build_info"), "Always 1; the labels name the agentzip-blk "
-                              "version, the Python and the nbdkit on this host.",
-                              labels=["version", "python", "nbdkit"])
-        m.add_metric([self.version, self.python, self.nbdkit], 1.0)
+    def metric(self, server_version: str | None = None) -> Metric:
+        m = GaugeMetricFamily(_n("build_info"), "Always 1; the labels name the exporter's "
+                              "agentzip-blk version, the server's (the code serving the "
+                              "device: older until a restart after an upgrade; unknown while "
+                              "it does not answer), the Python and the nbdkit on this host.",
+                              labels=["version", "server_version", "python", "nbdkit"])
+        m.add_metric([self.version, server_version or "unknown", self.python, self.nbdkit], 1.0)
         return m
 
 
@@ -397,7 +399,7 @@ class Collector:
         if st is not None:
             yield from stats_metrics(st)
         if self.build is not None:
-            yield self.build.metric()
+            yield self.build.metric(((st or {}).get("server") or {}).get("version"))
         if self.host_fn is not None:
             try:
                 yield from host_metrics(self.host_fn())

@@ -161,6 +161,7 @@ def test_real_scrape_passes_promtool_check_metrics(tmp_path):
     (bi,) = samples["agentzip_build_info"]
     assert bi.value == 1
     assert bi.labels["version"] == agentzip_blk.__version__
+    assert bi.labels["server_version"] == agentzip_blk.__version__  # from the server's stats
     assert re.fullmatch(r"3\.\d+\.\d+", bi.labels["python"])
     nbdkit_v = subprocess.run(["nbdkit", "--version"], capture_output=True, text=True).stdout.split()[1]
     assert bi.labels["nbdkit"] == nbdkit_v
