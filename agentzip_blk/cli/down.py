@@ -67,6 +67,11 @@ def cmd_down(args) -> int:
     if res.get("server_lost"):
         print(f"{PROG}: warning: the swap server was dead or did not answer: the pages it held "
               f"are lost (processes that touch them get SIGBUS)", file=sys.stderr)
+    if "orphans" in res:  # --force without a state file (attach._sweep_orphans)
+        print(f"no state.json in {res['run_dir']}; detached "
+              f"{res['device'] or 'no loop device'} over its FUSE file"
+              f"{'; the server on its control socket stopped' if res['server_stopped'] else ''}")
+        return 0
     print(f"{res['device'] or 'device'}: detached, {fmt(res['swapped_in'])} swapped back in "
           f"({res['seconds']:.1f}s); server stopped")
     if res.get("cgroups"):

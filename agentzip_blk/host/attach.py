@@ -21,8 +21,9 @@ from .. import procfs
 from ..config.quantities import format_bytes
 from ..errors import DeviceError, SetupError
 from . import facts
-from .chain import (check_up_preconditions, liveness, resolve_frontend, teardown, up_steps,
-                    write_effective_config)
+from ..datapath import control
+from .chain import (check_up_preconditions, liveness, resolve_frontend, stray_loops, sweep,
+                    teardown, up_steps, write_effective_config)
 from .health import health
 from .procs import STOPPED_STATES, ours_alive, wait_gone
 from .runstate import (DEFAULT_PRIORITY, STATE_FILE, RunState, config_device, locked,
@@ -170,6 +171,10 @@ def down(run_dir: str | None = None, force: bool = False, *, config=None,
         state = RunState.load(run_dir)
         if state is None:
             _release_cgroups(run_dir)  # a tuner may have run without a device
+            if force:
+                orphans = _sweep_orphans(run_dir, timeout)
+                if orphans is not None:
+                    return orphans
             raise NotAttached(f"no device attached from {run_dir} (no {STATE_FILE})")
         area = procfs.swap_area(state.device)
         used = area.used if area else 0
@@ -190,11 +195,37 @@ def down(run_dir: str | None = None, force: bool = False, *, config=None,
         cgroups = _release_cgroups(run_dir)
         if force and (area is not None or liveness(state)["nbdkit"]):
             given_up = _unwedge(state)
+        if force:
+            # every loop over our FUSE file, the state's and any it does not name (an older
+            # up's), before teardown unmounts: a lazy unmount would hide their backing path
+            sweep(run_dir, timeout, state.tools, unmount=False)
         teardown(state, timeout, swapoff_timeout=max(timeout, 120.0) if given_up else None)
         _remove_tier_file(state)
         return {"run_dir": run_dir, "device": state.device, "swapped_in": used,
                 "seconds": round(time.monotonic() - t0, 3), "cgroups": cgroups,
                 "server_lost": given_up}
+
+
+def _sweep_orphans(run_dir: str, timeout: float) -> dict | None:
+    """`down --force` without a state file: detach what is still over our FUSE file (swap
+    areas, loop devices, the mount), then ask a server still on RUN/control.sock to stop (it
+    refuses while a swap area points at it). None when there was nothing of ours."""
+    t0 = time.monotonic()
+    used = sum(a.used for loop in stray_loops(run_dir) if (a := procfs.swap_area(loop)))
+    loops = sweep(run_dir, timeout)
+    sock = os.path.join(run_dir, "control.sock")
+    stopped = False
+    if os.path.exists(sock):
+        try:
+            control.request(sock, "shutdown", timeout=5.0)
+            stopped = True
+        except control.ControlError:
+            pass
+    if not loops and not stopped:
+        return None
+    return {"run_dir": run_dir, "device": ", ".join(loops) or None, "swapped_in": used,
+            "seconds": round(time.monotonic() - t0, 3), "cgroups": "", "server_lost": False,
+            "orphans": loops, "server_stopped": stopped}
 
 
 def _unwedge(state: RunState) -> bool:
