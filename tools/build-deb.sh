@@ -26,6 +26,10 @@
 #   completion generated from the CLI parser (tools/debian/gen_docs.py), copyright, changelog.
 # - agentzip-blk.yaml(5) and the conffile, both from agentzip_blk/config/reference.py; zsh and
 #   fish completion beside bash's (Debian's vendor directories: no shell package needed).
+# - /usr/share/agentzip-blk: the Grafana dashboard and the Prometheus alert rules (deploy/).
+# - maintainer scripts: prerm refuses `remove` while the device is attached, postinst reloads
+#   systemd and restarts the exporter (never the swap server), postrm purge removes what the
+#   programs wrote (/var/lib/agentzip, the scope drop-in, the run directory).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -124,8 +128,11 @@ awk -v lic="$ZSTD_LICENSE" '{ if ($0 == "@ZSTANDARD_LICENSE@") print lic; else p
 gzip -9n < "$DEB/changelog" > "$S/usr/share/doc/$PKG/changelog.gz"
 # uncompressed: the units' Documentation= names it (file:/usr/share/doc/agentzip-blk/README.md)
 install -m 0644 README.md "$S/usr/share/doc/$PKG/README.md"
+# for the monitoring side to import: the Grafana dashboard (with __inputs) and the alert rules
+install -m 0644 deploy/grafana-dashboard.json "$S/usr/share/$PKG/grafana-dashboard.json"
+install -m 0644 deploy/prometheus/alerts.yaml "$S/usr/share/$PKG/prometheus-alerts.yaml"
 
-install -m 0755 "$DEB/postinst" "$DEB/prerm" "$S/DEBIAN/"
+install -m 0755 "$DEB/postinst" "$DEB/prerm" "$DEB/postrm" "$S/DEBIAN/"
 DEPENDS="nbdkit, nbdkit-plugin-python, fuse3, util-linux (>= 2.38), mount, python3 (>= 3.11), python3 (<< 3.12),"
 DEPENDS+=" python3-numpy (>= 1:1.24), python3-yaml (>= 6.0), python3-tqdm (>= 4.64),"
 DEPENDS+=" python3-prometheus-client (>= 0.16), python3-sortedcontainers (>= 2.4),"
