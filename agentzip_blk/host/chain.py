@@ -20,7 +20,7 @@ import time
 from .. import procfs
 from ..datapath import control
 from ..errors import DeviceError, SetupError
-from . import facts, procs
+from . import facts, procs, swapunit
 from .procs import STOPPED_STATES, ours_alive, run_tool, spawn, stop_process, wait_gone, wait_ready
 from .rundir import open_private
 from .runstate import STATE_FILE, TOOLS, RunState
@@ -239,6 +239,7 @@ def teardown(state: RunState, timeout: float = 30.0,
         if procfs.swap_area(state.device) is not None:
             raise DeviceError(f"{state.device} is still in /proc/swaps after swapoff")
     state.swap_on = False
+    swapunit.remove_order(state.device)
     with contextlib.suppress(OSError):
         state.save()
 
@@ -343,6 +344,7 @@ def sweep(run_dir: str, timeout: float, tools: dict | None = None, *,
         if procfs.swap_area(loop) is not None:
             run_tool([resolve_tool("swapoff", tools), loop], timeout=max(timeout, 3600.0),
                      what=f"swapoff {loop}")
+        swapunit.remove_order(loop)
         run_tool([resolve_tool("losetup", tools), "-d", loop], timeout=timeout,
                  what=f"losetup -d {loop}")
         detached.append(loop)
@@ -561,10 +563,13 @@ def _swapon(state: RunState, timeout: float, fail_after: str | None) -> None:
     inject("mkswap", fail_after)
     if state.control_socket:
         server_request(state, "guard", timeout, device=state.device)
+    ordered = swapunit.write_order(state.device)  # systemd's swap unit stops after `down`
     run_tool([resolve_tool("swapon", tools), "--discard=pages", "-p", str(state.swap_priority),
               state.device], timeout=timeout, what=f"swapon {state.device}")
     if procfs.swap_area(state.device) is None:
         raise DeviceError(f"swapon succeeded but {state.device} is not in /proc/swaps")
+    if ordered:
+        swapunit.reload()
     state.swap_on = True
     state.save()
     inject("swapon", fail_after)

@@ -7,8 +7,10 @@ installed CLI, with a real swap area."""
 from __future__ import annotations
 
 import os
-import sys
+import re
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -109,3 +111,38 @@ def test_down_force_with_a_state_file_also_sweeps_a_loop_it_does_not_name(op):
     assert chain.stray_loops(run_dir) == []
     assert procfs.loop_backing(extra_loop) is None  # detached, not orphaned as "/device"
     assert not leftovers(run_dir)
+
+
+def test_down_under_a_log_reports_pages_left_and_rate(op):
+    """Without a terminal (ExecStop's stderr is the journal), `down` logs its swapoff: a line
+    at the start, one at least every --log-every seconds (10 by default), one at the end."""
+    from agentzip_blk.cgroups.fs import LimitBusy, MemoryCgroup
+    from agentzip_blk.demo.workload import Workload
+
+    az, run_dir = op
+    assert az("up").returncode == 0
+    cg = MemoryCgroup.create(f"azt-downlog-{os.getpid()}")
+    wl = Workload(cg, 64, seed=3)
+    try:
+        cg.allow_swap()
+        wl.expect("READY", timeout=300)
+        for _ in range(50):
+            try:
+                cg.set_limit(int(cg.usage() * 0.3))
+                break
+            except LimitBusy:
+                time.sleep(0.2)
+        assert procfs.swaps()[0].used > 8 << 20
+        cg.set_limit(None)  # swapoff charges the pages back: leave room
+        r = az("down", "--log-every", "0.05")
+        assert r.returncode == 0, r.stdout + r.stderr
+        lines = [line for line in r.stderr.splitlines() if "agentzip-blk: swapoff /dev/loop" in line]
+        assert lines and "pages left" in lines[0] and "to bring back into RAM" in lines[0], r.stderr
+        assert "done:" in lines[-1] and "pages back in" in lines[-1], r.stderr
+        for line in lines[1:-1]:
+            assert re.search(r"\d+ pages left \(.*\), \d+ pages/s \(.*/s\)", line), line
+        wl.send("TOUCH")
+        assert wl.expect("VERIFY", timeout=600)[1] == "ok"
+    finally:
+        wl.stop()
+        cg.remove(timeout=60)
