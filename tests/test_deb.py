@@ -142,6 +142,7 @@ def test_the_file_list_holds_what_a_host_needs(deb):
         "usr/share/doc/agentzip-blk/README.md",  # the units' Documentation=file:
         "usr/share/agentzip-blk/grafana-dashboard.json",  # for the monitoring side to import
         "usr/share/agentzip-blk/prometheus-alerts.yaml",
+        "usr/share/doc/agentzip-blk/examples/agentzip-blk-metrics-nonroot.conf",
         *dicts,
         *(f"usr/lib/systemd/system/{u}" for u in UNITS),
     }

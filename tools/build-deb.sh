@@ -131,6 +131,9 @@ install -m 0644 README.md "$S/usr/share/doc/$PKG/README.md"
 # for the monitoring side to import: the Grafana dashboard (with __inputs) and the alert rules
 install -m 0644 deploy/grafana-dashboard.json "$S/usr/share/$PKG/grafana-dashboard.json"
 install -m 0644 deploy/prometheus/alerts.yaml "$S/usr/share/$PKG/prometheus-alerts.yaml"
+# the exporter as no one, where device.control_group is set (the unit's comment says how)
+install -D -m 0644 "$DEB/examples/agentzip-blk-metrics-nonroot.conf" \
+    "$S/usr/share/doc/$PKG/examples/agentzip-blk-metrics-nonroot.conf"
 
 install -m 0755 "$DEB/postinst" "$DEB/prerm" "$DEB/postrm" "$S/DEBIAN/"
 DEPENDS="nbdkit, nbdkit-plugin-python, fuse3, util-linux (>= 2.38), mount, python3 (>= 3.11), python3 (<< 3.12),"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import configparser
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -271,3 +272,37 @@ def test_a_real_stop_swaps_off_in_down_before_the_swap_unit(tmp_path):  # pragma
             Path(f).unlink(missing_ok=True)
         shutil.rmtree(drop, ignore_errors=True)
         ctl("daemon-reload")
+
+
+def _exposure(unit_dir: Path, unit: str) -> tuple[float, str]:
+    env = dict(os.environ, SYSTEMD_UNIT_PATH=f"{unit_dir}:", SYSTEMD_LOG_COLOR="0")
+    r = subprocess.run([ANALYZE, "security", "--offline=true", "--no-pager", unit], env=env,
+                       capture_output=True, text=True, timeout=60)
+    m = re.search(r"Overall exposure level for \S+: ([0-9.]+)", r.stdout)
+    assert m, r.stdout + r.stderr
+    return float(m.group(1)), r.stdout
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "tools/debian/examples"
+
+
+@needs_analyze
+def test_the_exporter_unit_is_confined(tmp_path):
+    """`systemd-analyze security`: 9.6 UNSAFE before issue 29 (root, nothing taken away); now
+    root with two capabilities and a read-only view of the system, and with the shipped
+    non-root drop-in no capability at all."""
+    d = Path(units_install.install(str(tmp_path), _bin()).unit_dir)
+    score, out = _exposure(d, "agentzip-blk-metrics.service")
+    assert score <= 2.5, out
+    svc = directives(d / "agentzip-blk-metrics.service")["Service"]
+    assert set(svc["CapabilityBoundingSet"]) == {"CAP_SYS_ADMIN", "CAP_SYS_PTRACE"}
+    assert svc["ProtectSystem"] == ["strict"] and svc["NoNewPrivileges"] == ["yes"]
+    assert svc["ExecStart"][1:] == ["metrics"]  # the address is metrics.listen's
+    drop = d / "agentzip-blk-metrics.service.d"
+    drop.mkdir()
+    text = (EXAMPLES / "agentzip-blk-metrics-nonroot.conf").read_text()
+    (drop / "50-nonroot.conf").write_text(text.replace("/usr/bin/agentzip-blk", _bin()))
+    nonroot, out = _exposure(d, "agentzip-blk-metrics.service")
+    assert nonroot < score and nonroot <= 1.5, out
+    r = verify(d, ["agentzip-blk-metrics.service"])
+    assert r.returncode == 0 and (r.stdout + r.stderr).strip() == "", r.stdout + r.stderr
