@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The native request path's tests under AddressSanitizer: a separate build of
-# agentzip_blk/datapath/nativeloop.c with -fsanitize=address, in a copy of the package, and
+# agentzip_blk/datapath/nativeloop.c and nativestore.c with -fsanitize=address, in a copy of the package, and
 # the tests that drive it (model, malformed requests, interleaving) run against that copy.
 #   tools/asan-tests.sh [pytest args...]      (after ./setup.sh test; .ci/run calls it)
 set -euo pipefail
@@ -36,5 +36,6 @@ if not nativeloop.__file__.startswith(work):
     sys.exit(f"asan-tests.sh: imported {nativeloop.__file__}, not the ASan build")
 import pytest
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "--rootdir", work, "-c", config,
-                      "tests/datapath/test_native.py", *args]))
+                      "tests/datapath/test_native.py", "tests/datapath/test_native_writes.py",
+                      *args]))
 PY

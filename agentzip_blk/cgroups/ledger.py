@@ -8,8 +8,11 @@
    The ledger is a file, and a file is not root's instruction: a path in it is written (at
    the first write and at every restore) only when its name is one of the cgroup files the
    tuner writes (CGROUP_FILES) and the file, opened O_WRONLY|O_NOFOLLOW without O_CREAT or
-   O_TRUNC, lies on a cgroup file system (fstatfs magic). Anything else is refused with a
-   logged error and never written; a refused entry leaves the ledger.
+   O_TRUNC, lies on a cgroup file system (fstatfs magic), and the entry carries the inode of
+   the cgroup directory that the tuner recorded at its first write, which the directory
+   still has (an entry without one was not written by the tuner: it could name any cgroup,
+   even one re-created since). Anything else is refused with a logged error and never
+   written; a refused entry leaves the ledger.
 """
 
 from __future__ import annotations
@@ -263,7 +266,15 @@ class Ledger:
                 left = []
                 for e in todo:
                     cgdir = os.path.dirname(e.path)
-                    if not os.path.isdir(cgdir) or (e.ino is not None and _ino(cgdir) != e.ino):
+                    if not isinstance(e.ino, int) or isinstance(e.ino, bool):
+                        # the tuner records it at every first write: this is not its entry
+                        log.error("cgroup ledger %s: refused %s: no cgroup inode recorded",
+                                  self.file, e.path)
+                        report.failed.append((e, "refused: no cgroup inode recorded"))
+                        del self._entries[e.path]
+                        progress = True
+                        continue
+                    if not os.path.isdir(cgdir) or _ino(cgdir) != e.ino:
                         report.gone.append(e)
                         del self._entries[e.path]
                         progress = True

@@ -9,12 +9,13 @@ import signal
 import sys
 
 from .. import procfs
+from ..config import ConfigError
 from ..host import attach, facts
 from ..errors import DeviceError, SetupError
 from ..host.rundir import secure_run_dir
 from ..host.runstate import RunState
 from . import progress
-from ._common import PROG, fmt, run_dir_of
+from ._common import PROG, config_of, fmt, run_dir_of
 
 EXAMPLES = f"""\
 examples:
@@ -62,15 +63,30 @@ def _watch(run_dir: str, log_every: float = 10.0):
     return stack
 
 
+def _operator_config(args):
+    """The operator's config (--config, else /etc/agentzip/config.yaml, and its drop-ins):
+    where a dead server's disk tier lies. A broken one must not keep `down` from taking the
+    device down when the run directory is named: that leftover is then only reported."""
+    try:
+        return config_of(args)
+    except ConfigError as e:
+        if not args.run_dir:
+            raise
+        print(f"{PROG}: warning: {e}: a disk tier left by a dead server is not looked for",
+              file=sys.stderr)
+        return None
+
+
 def cmd_down(args) -> int:
     facts.require_root(f"{PROG} down")
-    run_dir = run_dir_of(args)
+    config = _operator_config(args)
+    run_dir = run_dir_of(args, config) if config is not None else run_dir_of(args)
     # systemd's TimeoutStopSec ends in SIGTERM: stop as Ctrl-C does, which kills the swapoff
     # child (the kernel leaves the area on, the rest still in it) and says so, exit 130
     old_term = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         with _watch(run_dir, args.log_every):
-            res = attach.down(run_dir, force=args.force, timeout=args.timeout)
+            res = attach.down(run_dir, force=args.force, config=config, timeout=args.timeout)
     except attach.NotAttached as e:
         print(f"{PROG}: nothing to do: {e}", file=sys.stderr)
         return 0
@@ -79,6 +95,9 @@ def cmd_down(args) -> int:
     if res.get("server_lost"):
         print(f"{PROG}: warning: the swap server was dead or did not answer: the pages it held "
               f"are lost (processes that touch them get SIGBUS)", file=sys.stderr)
+    if res.get("tier_left"):
+        print(f"{PROG}: warning: disk tier file left in place: {res['tier_left']}",
+              file=sys.stderr)
     if "orphans" in res:  # --force without a state file (attach._sweep_orphans)
         print(f"no state.json in {res['run_dir']}; detached "
               f"{res['device'] or 'no loop device'} over its FUSE file"

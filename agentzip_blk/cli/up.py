@@ -8,7 +8,7 @@ import argparse
 import os
 
 from ..cgroups.tuner.daemon import running_pid, start_daemon
-from ..config import ConfigError, load_config
+from ..config import ConfigError, load_file
 from ..host import attach, facts, health
 from ..host.runstate import RunState
 from ._common import EXIT_RUNTIME, PROG, CliError, config_of, device_size_arg, fmt, run_dir_of
@@ -53,7 +53,8 @@ def _already_up(args, config, run_dir: str, size: int | None) -> str | None:
     if not st["attached"] or st["healthy"] is not True or not state.config_path:
         return None
     try:
-        running = load_config(state.config_path)
+        # the file `up` wrote, alone: RUN/config.d is nobody's config
+        running = load_file(state.config_path, sha256=state.config_sha256)
     except ConfigError:
         return None
     want = _device_settings(config, size, args.priority)

@@ -6,11 +6,18 @@ files), mappings merge key by key, and any other value (a scalar, a list such as
 replaces what came before as a whole: merging list items would leave no way to remove one.
 
 Which file set each value is tracked here too (``Sources``), so ``config show`` can say it.
+
+Not every drop-in is root's: on a Kubernetes node the node agent, which runs as another uid,
+writes its scope list there (docs/KUBERNETES.md). A drop-in that is not root's alone (the
+file, or the link to it, owned by another uid; or writable by group or others) may set
+``scopes`` (which cgroups the tuner squeezes) and nothing else: not where the tier file
+lies, not the device, not the control group. The loader enforces it (``limited_by``).
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Mapping
 
 from ..errors import ConfigError
@@ -21,6 +28,22 @@ DROPIN_SUFFIX = ".yaml"
 
 # dotted key ("pool.max_size", "scopes") -> the file that set it last
 Sources = dict[str, str]
+
+# the top-level keys a drop-in that is not root's may set
+NON_ROOT_KEYS = ("scopes",)
+
+
+def limited_by(link: os.stat_result, file: os.stat_result) -> str | None:
+    """Why a drop-in is not root's alone (see the module docstring), or None. ``link``: its
+    lstat; ``file``: the fstat of what was opened. Root's, or the reader's own uid's (a
+    reader that is not root trusts what it wrote itself)."""
+    trusted = (0, os.geteuid())
+    for st in (link, file):
+        if st.st_uid not in trusted:
+            return f"owned by uid {st.st_uid}"
+    if stat.S_IMODE(file.st_mode) & 0o022:
+        return f"writable by group or others (mode {stat.S_IMODE(file.st_mode):04o})"
+    return None
 
 
 def dropin_dir(config_path: str) -> str:

@@ -14,6 +14,8 @@ import contextlib
 import dataclasses
 import difflib
 import grp
+import hashlib
+import hmac
 import os
 import re
 from collections.abc import Collection, Mapping
@@ -22,9 +24,10 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigError
-from .dropins import Sources, dropin_dir, dropin_files, merge, normalized_key
+from .dropins import (NON_ROOT_KEYS, Sources, dropin_dir, dropin_files, limited_by, merge,
+                      normalized_key)
 from .quantities import decimal_hint, format_bytes, parse_duration, parse_size
-from .schema import (ALGORITHMS, DATAPATHS, DEDUP_MODES, DEFAULT_CONFIG_PATH, DICTIONARY_MODES, FRONTENDS,
+from .schema import (ALGORITHMS, DATAPATHS, SWAP_MAP_MODES, DEDUP_MODES, DEFAULT_CONFIG_PATH, DICTIONARY_MODES, FRONTENDS,
                      KEY_ALIASES,
                      LEVEL_RANGES,
                      MAX_DEVICE_SIZE, MAX_FRAME_PAGES, MIN_SIZE, SUPPORTED_PAGE_SIZE, SWAP_PRIORITY_RANGE,
@@ -279,6 +282,7 @@ def _parse_device(value: Any) -> DeviceConfig:
         rotational=_bool(data.get("rotational", d.rotational), "device.rotational"),
         frontend=_choice(data.get("frontend", d.frontend), "device.frontend", FRONTENDS),
         datapath=_choice(data.get("datapath", d.datapath), "device.datapath", DATAPATHS),
+        swap_map=_choice(data.get("swap_map", d.swap_map), "device.swap_map", SWAP_MAP_MODES),
         control_group=_group(data.get("control_group", d.control_group), "device.control_group"),
     )
 
@@ -375,6 +379,29 @@ def _read_yaml(path: str) -> Any:
         raise ConfigError(f"{path}: config file not found") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot read config file: {e}") from None
+    return _parse_yaml(text, path)
+
+
+def _read_dropin(path: str) -> tuple[Any, str | None]:
+    """A drop-in's data, and why it is not root's alone (dropins.limited_by), both from one
+    open: the file checked is the file read."""
+    try:
+        link = os.lstat(path)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config file: {e.strerror or e}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        try:
+            text = f.read().decode("utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: cannot read config file: {e}") from None
+    return _parse_yaml(text, path), limited_by(link, st)
+
+
+def _parse_yaml(text: str, path: str) -> Any:
     try:
         return yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as e:
@@ -428,19 +455,74 @@ def load_layers(path: str | os.PathLike[str] | None = None, *,
     for extra in replace:
         if extra not in dropins and os.path.dirname(extra) == directory:
             dropins = sorted(dropins + [extra], key=os.path.basename)
+    limits: dict[str, str] = {}  # drop-in -> why it may set NON_ROOT_KEYS only
     for dropin in dropins:
-        layers.append((dropin, replace[dropin] if dropin in replace else _read_yaml(dropin)))
+        if dropin in replace:  # written next by this process: its own uid's
+            layers.append((dropin, replace[dropin]))
+        else:
+            data, limit = _read_dropin(dropin)
+            layers.append((dropin, data))
+            if limit:
+                limits[dropin] = limit
         files.append(dropin)
     merged: dict = {}
     sources: Sources = {}
     config = Config()
     for origin, data in layers:
-        merged = merge(merged, _top_mapping(data, origin), origin, sources)
+        data = _top_mapping(data, origin)
+        if origin in limits:
+            for key in data:
+                if key not in NON_ROOT_KEYS:
+                    raise ConfigError(f"{origin}: {key}: this drop-in is {limits[origin]}, not "
+                                      f"root's alone: it may set {', '.join(NON_ROOT_KEYS)} "
+                                      f"and nothing else")
+        merged = merge(merged, data, origin, sources)
         try:
             config = parse_config(merged, known_dictionaries=known_dictionaries)
         except ConfigError as e:
             raise ConfigError(f"{origin}: {e}") from None
     return LoadedConfig(config, files, {normalized_key(k): v for k, v in sources.items()})
+
+
+def config_digest(data: bytes) -> str:
+    """The SHA-256 (hex) by which `up` pins the config file it hands its server."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def load_file(path: str | os.PathLike[str], *, sha256: str | None = None,
+              known_dictionaries: Collection[str] | None = None) -> Config:
+    """Exactly one config file, without drop-ins: the effective config `up` wrote into the
+    run directory for its server (host.chain.write_effective_config), which already holds
+    whatever the operator's drop-ins said. The run directory is no place to take orders
+    from (a container that mounts it read-write can write there), so nothing beside that
+    file is read, and with *sha256* its bytes must be the ones `up` wrote: a file replaced
+    or edited since is a ConfigError, and the server does not start on it."""
+    path = os.fspath(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(MAX_PINNED_BYTES + 1)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config file: {e.strerror or e}") from None
+    if len(data) > MAX_PINNED_BYTES:
+        raise ConfigError(f"{path}: config file larger than {MAX_PINNED_BYTES} bytes")
+    if sha256 is not None and not hmac.compare_digest(config_digest(data), sha256):
+        raise ConfigError(f"{path}: not the config `agentzip-blk up` wrote (its SHA-256 "
+                          f"differs): refusing to start on it")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: cannot read config file: {e}") from None
+    data = _top_mapping(_parse_yaml(text, path), path)  # errors name the path already
+    try:
+        return parse_config(data, known_dictionaries=known_dictionaries)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+MAX_PINNED_BYTES = 1 << 20  # the effective config is a few hundred bytes
 
 
 def load_config(path: str | os.PathLike[str] | None = None, *,

@@ -54,7 +54,8 @@ KEYS: tuple[Key, ...] = (
         "Share of pool.max_size at which cold pages start moving to the disk tier."),
     Key("pool.swap_out_path", "absolute path | null",
         "The disk tier's file (AES-256-GCM, a new key at every start). null: no disk tier; "
-        "a full pool answers ENOSPC."),
+        "a full pool answers ENOSPC. An existing file there without the tier's header is "
+        "refused, never emptied; `down` removes only a tier file no server holds."),
     Key("pool.swap_out_max_size", "size",
         "Cap of the disk tier; 0 is what the filesystem holds."),
     Key("pool.defrag", "true | false",
@@ -77,7 +78,8 @@ KEYS: tuple[Key, ...] = (
         "is short of memory (pressure), always, or never."),
     Key("scopes", "list of {cgroup: GLOB, enabled: BOOL}",
         "The cgroups the tuner works on (fnmatch globs of cgroup paths). agentzip-blk scope and "
-        "the node agent write theirs to config.d/90-scopes.yaml."),
+        "the node agent write theirs to config.d/90-scopes.yaml. A drop-in that is not "
+        "root's alone may set scopes and nothing else."),
     Key("device.size", "size (at most 512G)",
         "Logical size of the swap device."),
     Key("device.swap_priority", "-1..32767",
@@ -91,6 +93,10 @@ KEYS: tuple[Key, ...] = (
         "loop device over a FUSE file the server itself serves (fuse)."),
     Key("device.datapath", "auto | native | python",
         "Who answers FUSE reads of warm pages. auto: the C extension where it was built."),
+    Key("device.swap_map", "auto | off",
+        "Read the kernel's swap map of our area every second (a BPF program, loaded but never "
+        "attached) and forget the copies of slots the kernel freed without a discard. auto: "
+        "where the kernel allows it (root, BTF, a known layout; stats says why not); off: never."),
     Key("device.control_group", "group name | null",
         "A group whose members may use the read-only control verbs (stats, health, ping, "
         "slots) on RUN/control.sock, e.g. a non-root exporter. null: root only."),

@@ -117,6 +117,11 @@ class DeviceConfig:
     # without the GIL ("native", docs/ARCHITECTURE.md "The native request path"), or Python
     # ("python", the reference). auto: native where the extension was built.
     datapath: str = "auto"
+    # Read the kernel's own book of our swap area's slots (si->swap_map, through a BPF
+    # program that is loaded but never attached: datapath/swapmap.py) and forget the copies
+    # of slots the kernel freed without telling the device (docs/ARCHITECTURE.md, "What the
+    # kernel tells the device"). auto: where the kernel allows it (status says why not).
+    swap_map: str = "auto"
     # A group whose members may use the read-only control verbs on control.sock
     # (datapath.server.READ_ONLY_VERBS), e.g. a metrics exporter that is not root.
     # None: root only. nbd.sock stays root's alone whatever this says.
@@ -137,6 +142,7 @@ class MetricsConfig:
 
 FRONTENDS = ("auto", "fuse", "nbdfuse", "nbd")
 DATAPATHS = ("auto", "native", "python")
+SWAP_MAP_MODES = ("auto", "off")
 
 
 def default_scopes() -> list[Scope]:

@@ -16,6 +16,15 @@ is only the first gate. Every connection's peer is checked with SO_PEERCRED (uid
 SO_PEERGROUPS (supplementary groups), as the kernel recorded them at connect(): root (our
 own uid) may use every verb; a member of the control group only the read-only verbs; anyone
 else gets one "permission denied" reply and the connection is closed.
+
+How many at once: every connection is served by a thread of its own (in a server whose
+memory is locked), so their number is capped: MAX_CONNECTIONS for root, and a smaller
+MAX_UNPRIVILEGED for everyone else together (the group's members, and strangers until
+their refusal is sent), counted apart so that no number of the group's connections keeps
+root's `status` or `down` out. A connection over its cap gets one "busy" reply from a
+single refusing thread (or, when even that one is behind, is closed at once) and counts in
+``busy``. A verb may also be served differently to the group (``group_handlers``: the
+server rate-limits the stats scans its members may force).
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
+import selectors
 import socket
 import stat
 import struct
@@ -35,6 +46,10 @@ from dataclasses import dataclass
 MAX_LINE = 64 * 1024
 CLIENT_TIMEOUT = 10.0
 PROTOCOL = 1  # raise when a verb changes meaning or a reply loses a key a client reads
+MAX_CONNECTIONS = 128  # root's connections served at once (root is trusted: a bound on threads)
+MAX_UNPRIVILEGED = 8  # everyone else's, together
+_BUSY_QUEUE = 64  # over-cap connections waiting for their "busy" reply
+BUSY_LINGER = 0.5  # s an over-cap connection is kept for its client to read the reply
 
 Handler = Callable[[dict], dict]
 
@@ -83,15 +98,22 @@ ALL, READ, NONE = "all", "read", "none"
 
 class ControlServer:
     def __init__(self, path: str, handlers: dict[str, Handler], *,
-                 read_only: Collection[str] = (), group_gid: int | None = None) -> None:
+                 read_only: Collection[str] = (), group_gid: int | None = None,
+                 group_handlers: dict[str, Handler] | None = None) -> None:
         """``read_only``: the verbs a member of ``group_gid`` may use (none without a
-        group). Root, i.e. our own uid, may use all of ``handlers``."""
+        group). Root, i.e. our own uid, may use all of ``handlers``. ``group_handlers``:
+        read-only verbs served to the group by another handler than root's."""
         self.path = path
         self.handlers = handlers
         self.read_only = frozenset(read_only)
+        self.group_handlers = dict(group_handlers or {})
         self.group_gid = group_gid
         self.owner_uid = os.geteuid()
         self.refused = 0  # connections and requests refused by the peer check
+        self.busy = 0  # connections refused because their cap was reached
+        self._open = {True: 0, False: 0}  # connections being served: root's, the others'
+        self._open_lock = threading.Lock()
+        self._busy_queue: queue.Queue[socket.socket] = queue.Queue(_BUSY_QUEUE)
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -120,6 +142,8 @@ class ControlServer:
         self._sock = sock
         self._thread = threading.Thread(target=self._accept_loop, name="agentzip-control", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._busy_loop, name="agentzip-control-busy",
+                         daemon=True).start()
 
     def stop(self) -> None:
         self._stop.set()
@@ -140,7 +164,84 @@ class ControlServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            try:
+                root = peer_of(conn).uid == self.owner_uid
+            except OSError:
+                conn.close()
+                continue
+            with self._open_lock:
+                cap = MAX_CONNECTIONS if root else MAX_UNPRIVILEGED
+                admitted = self._open[root] < cap
+                if admitted:
+                    self._open[root] += 1
+                else:
+                    self.busy += 1
+                    busy = self.busy
+            if not admitted:
+                if busy & (busy - 1) == 0:  # a log line at the 1st, 2nd, 4th, 8th... only
+                    print(f"agentzip: control: {busy} connection(s) refused so far: "
+                          f"{cap} {'root' if root else 'non-root'} connections open",
+                          file=sys.stderr, flush=True)
+                try:
+                    self._busy_queue.put_nowait(conn)
+                except queue.Full:
+                    conn.close()
+                continue
+            threading.Thread(target=self._serve_counted, args=(conn, root),
+                             daemon=True).start()
+
+    def _serve_counted(self, conn: socket.socket, root: bool) -> None:
+        try:
+            self._serve(conn)
+        finally:
+            with self._open_lock:
+                self._open[root] -= 1
+
+    def _busy_loop(self) -> None:
+        """One thread answers every connection over its cap, without waiting on any: the
+        reply goes first (a unix socket keeps it for the client), then whatever the client
+        sends is read and dropped until it closes or BUSY_LINGER passes, since a close on
+        unread bytes would reset the connection before the client read the reply."""
+        reply = json.dumps({"ok": False, "protocol": PROTOCOL,
+                            "error": "busy: too many control connections open; try again"}
+                           ).encode() + b"\n"
+        sel = selectors.DefaultSelector()
+        until: dict[socket.socket, float] = {}
+
+        def drop(conn: socket.socket) -> None:
+            sel.unregister(conn)
+            del until[conn]
+            conn.close()
+
+        while True:
+            try:
+                conn = self._busy_queue.get(timeout=0.05 if until else None)
+            except queue.Empty:
+                pass
+            else:
+                try:
+                    conn.setblocking(False)
+                    conn.send(reply)
+                except OSError:
+                    conn.close()
+                else:
+                    if len(until) >= _BUSY_QUEUE:
+                        conn.close()  # a flood: no lingering for this one
+                    else:
+                        sel.register(conn, selectors.EVENT_READ)
+                        until[conn] = time.monotonic() + BUSY_LINGER
+            for key, _ in sel.select(timeout=0) if until else ():
+                try:
+                    data = key.fileobj.recv(MAX_LINE)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                if not data:
+                    drop(key.fileobj)
+            now = time.monotonic()
+            for conn in [c for c, t in until.items() if t <= now]:
+                drop(conn)
 
     def access(self, peer: Peer) -> str:
         """ALL for root (our uid), READ for a member of the control group, else NONE."""
@@ -174,7 +275,8 @@ class ControlServer:
                     # resets the connection, and the client would lose the reason
                     conn.settimeout(1.0)
                     stream.readline(MAX_LINE + 1)
-                    stream.write(json.dumps(reply).encode() + b"\n")
+                    stream.write(json.dumps({"protocol": PROTOCOL, **reply}).encode()
+                                 + b"\n")
                     stream.flush()
                 return
             while True:
@@ -220,6 +322,8 @@ class ControlServer:
             return self._refuse(peer or Peer(0, -1, -1),
                                 f"{request['cmd']!r} needs root; the control group may use "
                                 f"only: {allowed}")
+        if access != ALL:
+            handler = self.group_handlers.get(request["cmd"], handler)
         try:
             reply = handler(request)
         except Exception as exc:  # a handler bug must not take the server down

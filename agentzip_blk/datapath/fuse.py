@@ -534,7 +534,8 @@ def describe(door: FuseFile | None) -> dict | None:
     if door is None:
         return None
     s = door.stats
-    native_reads = door.native.counters()["reads"] if door.native is not None else 0
+    native = door.native.counters() if door.native is not None else {}
     return {"file": door.path, "alive": door.alive, "threads": len(s.threads),
-            "reads": s.reads + native_reads, "writes": s.writes, "trims": s.trims, "errors": s.errors,
+            "reads": s.reads + native.get("reads", 0),
+            "writes": s.writes + native.get("writes", 0), "trims": s.trims, "errors": s.errors,
             "last_error": s.last_error, "kernel_minor": s.kernel_minor}

@@ -13,8 +13,10 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ..codec import codecs
 from ..store import PageStore
 from ..store import integrity
+from ..store.dedup import MAX_BLOBS, PageHasher
 from .latency import BUCKETS
 
 try:
@@ -74,31 +76,75 @@ class NativePath:
         self.store = store
         self._path = nativeloop.Path(store.lock, store.size, store.clock_origin, list(BUCKETS),
                                   integrity.CHECKSUMS)
+        self.writes = writes_served(store)
+        self.packs = packs_served(store)
         with store.lock:
             store.on_tables_moved = self._bind
             store.outside = self.counters
+            store.outside_drop_idle = self._path.drop_idle
             self._bind()
+            placer = store.placer
+            self._path.set_writes(
+                enabled=self.writes, dedup=placer.dedup,
+                seed=placer.hasher.seed if isinstance(placer.hasher, PageHasher) else 0,
+                hot_ticks=store.hot_ticks, reclaim_bytes=store.reclaim_bytes,
+                max_blobs=MAX_BLOBS, doorbell=store.doorbell.fd)
+            if self.packs:
+                self._path.set_packing(store.frame_pages, store.codecs.writer.level)
+                store.recompressor.native_pack = self.pack
 
     def _bind(self) -> None:
         """Under the store lock: the tables' current addresses and tick base."""
-        self._path.bind(self.store.columns(), self.store.tick_base)
+        self._path.bind(self.store.columns(), self.store.tick_base, self.store.frame_pages)
 
     def close(self) -> None:
         """Stop serving from the tables (every request is handed up from now on)."""
         with self.store.lock:
             self._path.unbind()
             self.store.on_tables_moved = lambda: None
+            self.store.outside_drop_idle = lambda seconds: None
+            self.store.recompressor.native_pack = None
 
     def serve(self, fd: int, rbuf, wbuf) -> int:
         """Serve requests from `fd` until one needs Python: its length (it is in `rbuf`),
         0 at end of file, or -errno when read(2) failed."""
         return self._path.serve(fd, rbuf, wbuf)
 
+    def pack(self, blobs, gens, slots) -> tuple[int, int, int, int, bool]:
+        """The recompressor's pass over warm blobs held by one slot each (store.recompress):
+        (switched, raced, kept, bad, room). Takes the store lock itself."""
+        return self._path.pack(blobs.tobytes(), gens.tobytes(), slots.tobytes())
+
     def counters(self) -> dict:
-        """reads, pages_read, bytes_read, handed_up, in_flight, reply_errors, latency."""
+        """What it served (reads, writes, their pages and bytes, the dedup and ping-pong
+        counts of its writes), requests handed up (`handed_up`, and `handed_up_by` reason),
+        in_flight, reply_errors, and the latency histograms."""
         return self._path.counters()
 
-    def latency(self) -> tuple[list[int], float]:
+    def read_latency(self) -> tuple[list[int], float]:
         """The native reads' latency histogram (latency.BUCKETS) and its sum in seconds."""
-        c = self._path.counters()
-        return c["latency_counts"], c["latency_sum_s"]
+        return self._path.counters()["read_latency"]
+
+    def write_latency(self) -> tuple[list[int], float]:
+        return self._path.counters()["write_latency"]
+
+
+def packs_served(store: PageStore) -> bool:
+    """Whether the native path packs this store's warm pages (store.recompress): they are
+    lz4 or raw (what it decodes), and frames are zstd (what it writes, without a
+    dictionary: in frames the dictionaries measured 0-0.5%, BENCHMARKS.md "Dictionaries in
+    frames")."""
+    warm = store.warm_codec
+    return (warm is not None and warm.id == codecs.LZ4
+            and store.codecs.writer.id == codecs.ZSTD)
+
+
+def writes_served(store: PageStore) -> bool:
+    """Whether the native path stores this store's writes: warm pages are lz4 at the default
+    acceleration without a dictionary (what nativestore.c writes), and pages are hashed with
+    the store's keyed hash (a test's weak hasher is Python's alone). Otherwise every write is
+    handed up, and frames at once (warm_algorithm: none) are Python's."""
+    warm = store.warm_codec
+    if warm is None or warm.id != codecs.LZ4 or getattr(warm, "acceleration", None) != 1:
+        return False
+    return not store.placer.dedup or isinstance(store.placer.hasher, PageHasher)

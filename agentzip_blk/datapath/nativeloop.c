@@ -8,16 +8,18 @@
  *
  * - Path: a FUSE worker loop. `serve(fd, rbuf, wbuf)` releases the GIL and reads requests
  *   from /dev/fuse. A READ whose pages are all empty, zero-filled or warm (one page alone,
- *   raw or lz4, in a pool cell) is answered here: slot lookup, checksum, decode into the
- *   reply buffer, the same access ticks the Python path records, the reply write(2).
- *   Anything else (every other opcode, frames, the disk tier, dictionaries, a checksum or
- *   codec failure, a request not page-aligned) is handed up: serve() returns its length,
- *   the request still in rbuf, and Python serves it as it serves every request.
+ *   raw or lz4, in a pool cell) is answered here; so is a WRITE of whole pages when warm
+ *   pages are lz4 (compression.warm_algorithm): same-fill check, keyed hash, lz4, dedup
+ *   against warm pages, pool cell, blob row, index entry and the slot switch, all on the
+ *   store's own books (nativestore.c). Anything else (every other opcode, frames, the disk
+ *   tier, dictionaries, a checksum or codec failure, no room without a new arena, a request
+ *   not page-aligned) is handed up: serve() returns its length, the request still in rbuf,
+ *   and Python serves it as it serves every request.
  *
- * The tables are the store's own numpy arrays (slots, blobs, the pool's arena addresses).
- * Python binds their addresses with `bind()` under the store lock whenever one of them is
- * reallocated; the native side reads them only while it holds the lock, so it never sees
- * a table or an arena that Python is changing or has freed.
+ * The tables are the store's own numpy arrays. Python binds their addresses with `bind()`
+ * under the store lock whenever one of them is reallocated; the native side reads and
+ * writes them only while it holds the lock, so it never sees a table or an arena that
+ * Python is changing or has freed.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -27,39 +29,27 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
 #include <lz4.h>
-#define XXH_INLINE_ALL
-#include <xxhash.h>
+#define ZSTD_STATIC_LINKING_ONLY /* ZSTD_c_format / ZSTD_d_format: magicless frames */
+#include <zstd.h>
 
-#define PAGE 4096
+#include "nativestore.h"
+
 #define FUSE_READ 15
+#define FUSE_WRITE 16
 #define FILE_ID 2
 #define IN_HEADER 40
 #define OUT_HEADER 16
-#define READ_IN 40
-#define MAX_IO (1 << 20)
-
-/* slot kinds, blob tiers, codec ids: agentzip_blk.store.slots / blobs, codec.codecs */
-#define KIND_EMPTY 0
-#define KIND_SAME 1
-#define KIND_BLOB 2
-#define TIER_POOL 0
-#define CODEC_RAW 0
-#define CODEC_LZ4 2
-#define CODEC_LZ4HC 3
-#define TICK_MASK 0xFFFF
-#define TICK_REBASE (1LL << 31)
-#define TICKS_PER_SECOND 100
+#define RW_IN 40 /* fuse_read_in, fuse_write_in */
+#define WRITE_OUT 8
 
 #define NBUCKETS_MAX 32
-
-/* What serve_read decided. */
-#define SERVED 0
-#define HAND_UP 1
 
 /* -- StoreLock ------------------------------------------------------------------------ */
 
@@ -174,48 +164,33 @@ static PyTypeObject StoreLockType = {
 /* -- Path ----------------------------------------------------------------------------- */
 
 typedef struct {
-    /* slot table */
-    uint8_t *kind;
-    uint32_t *handle;
-    uint16_t *srtime;
-    uint64_t nslots;
-    /* blob table */
-    int32_t *arena;
-    uint32_t *cell;
-    uint8_t *tier;
-    uint16_t *length;
-    uint8_t *pages;
-    uint8_t *codec;
-    uint8_t *dict_id;
-    uint32_t *ref;
-    uint32_t *atime;
-    uint32_t *rtime;
-    uint32_t *csum;
-    uint64_t nblobs;
-    /* pool: per arena id its address (0: none) and class; per class its cell size */
-    uint64_t *a_addr;
-    int16_t *a_class;
-    uint64_t narenas;
-    uint32_t *class_cell;
-    uint64_t nclasses;
-} Tables;
+    atomic_ullong counts[NBUCKETS_MAX + 1];
+    atomic_ullong sum_ns;
+} Histogram;
 
 typedef struct {
     PyObject_HEAD
     StoreLock *lock;
-    PyObject *keep; /* the bound arrays, kept alive while their addresses are in use */
-    Tables t;       /* read and written only under lock->mu */
+    PyObject *keep;  /* the bound arrays, kept alive while their addresses are in use */
+    Tables t;        /* read and written only under lock->mu */
+    WriteParams wp;  /* set under lock->mu */
     int bound;
     uint64_t size;
     double t0;          /* the store's clock origin, CLOCK_MONOTONIC seconds */
-    int64_t tick_base;  /* PageStore._tick_base, under the lock */
+    int64_t tick_base;  /* PageStore.tick_base, under the lock */
     int checksums;
     double bounds[NBUCKETS_MAX];
     int nbounds;
+    FrameCache fc;   /* under lock->mu */
     /* counters: atomics, read by Python without the lock */
-    atomic_ullong reads, pages_read, bytes_read, handed_up, in_flight, reply_errors;
-    atomic_ullong counts[NBUCKETS_MAX + 1];
-    atomic_ullong sum_ns;
+    StoreCounters c;
+    atomic_ullong handed_up, in_flight, reply_errors;
+    Histogram read_latency, write_latency;
+    /* the recompressor's packer (one caller at a time: pack_mu) */
+    pthread_mutex_t pack_mu;
+    ZSTD_CCtx *pack_cctx;
+    int pack_level, pack_pages;
+    atomic_ullong packed, pack_raced, pack_kept, pack_bad;
 } Path;
 
 static double monotonic(void) {
@@ -225,6 +200,11 @@ static double monotonic(void) {
 }
 
 static void Path_dealloc(Path *self) {
+    if (self->pack_cctx)
+        ZSTD_freeCCtx(self->pack_cctx);
+    if (self->fc.data)
+        munmap(self->fc.data, (size_t)FRAME_CACHE_ENTRIES * FRAME_BYTES);
+    pthread_mutex_destroy(&self->pack_mu);
     Py_XDECREF(self->lock);
     Py_XDECREF(self->keep);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -263,12 +243,24 @@ static int Path_init(Path *self, PyObject *args, PyObject *kw) {
     self->t0 = t0;
     self->checksums = checksums;
     self->bound = 0;
+    memset(&self->wp, 0, sizeof self->wp);
+    self->wp.doorbell = -1;
+    self->wp.checksums = checksums;
+    memset(&self->fc, 0, sizeof self->fc);
+    pthread_mutex_init(&self->pack_mu, NULL);
+    self->pack_cctx = NULL;
     return 0;
 }
 
-/* The address of a C-contiguous buffer of `count` items of `itemsize` bytes, or NULL with
- * an exception. The caller keeps `obj` alive (numpy arrays keep their data while alive). */
-static void *address_of(PyObject *obj, Py_ssize_t itemsize, uint64_t *count, const char *name) {
+/* The address of a C-contiguous buffer of items of `itemsize` bytes, and their count, or
+ * NULL with an exception. The caller keeps `obj` alive (numpy arrays keep their data while
+ * alive). */
+static void *address_of(PyObject *d, const char *key, Py_ssize_t itemsize, uint64_t *count) {
+    PyObject *obj = PyDict_GetItemString(d, key);
+    if (!obj) {
+        PyErr_Format(PyExc_KeyError, "bind: no column %s", key);
+        return NULL;
+    }
     Py_buffer view;
     if (PyObject_GetBuffer(obj, &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
         return NULL;
@@ -277,39 +269,59 @@ static void *address_of(PyObject *obj, Py_ssize_t itemsize, uint64_t *count, con
     Py_ssize_t len = view.len;
     PyBuffer_Release(&view);
     if (got != itemsize) {
-        PyErr_Format(PyExc_TypeError, "%s: items of %zd bytes, expected %zd", name, got, itemsize);
+        PyErr_Format(PyExc_TypeError, "%s: items of %zd bytes, expected %zd", key, got, itemsize);
         return NULL;
     }
     *count = (uint64_t)(len / itemsize);
     return addr;
 }
 
-/* bind(tables: dict, tick_base: int): under the store lock, from Python. Every column the
- * native path reads, by name; their lengths must agree. */
+/* bind(tables: dict, tick_base: int, stride: int): under the store lock, from Python
+ * (PageStore.columns). Every column the native path reads or writes, by name; the columns
+ * of one table must agree in length. */
 static PyObject *Path_bind(Path *self, PyObject *args) {
     PyObject *d;
     long long tick_base;
-    if (!PyArg_ParseTuple(args, "O!L", &PyDict_Type, &d, &tick_base))
+    unsigned int stride;
+    if (!PyArg_ParseTuple(args, "O!LI", &PyDict_Type, &d, &tick_base, &stride))
         return NULL;
+    if (stride == 0) {
+        PyErr_SetString(PyExc_ValueError, "bind: stride 0");
+        return NULL;
+    }
     Tables t;
-    uint64_t n;
     memset(&t, 0, sizeof t);
+    uint64_t n;
+    int bad = 0;
+    /* A table's length is its shortest column's: a column shorter than the others would be
+     * a bug in the caller, and must not become a read past its end. */
 #define COLUMN(field, key, type, len_field)                                                  \
     do {                                                                                     \
-        PyObject *o = PyDict_GetItemString(d, key);                                          \
-        if (!o) {                                                                            \
-            PyErr_Format(PyExc_KeyError, "bind: no column %s", key);                         \
-            return NULL;                                                                     \
-        }                                                                                    \
-        t.field = (type *)address_of(o, sizeof(type), &n, key);                              \
+        t.field = (type *)address_of(d, key, sizeof(type), &n);                              \
         if (!t.field)                                                                        \
             return NULL;                                                                     \
         if (t.len_field == 0 || n < t.len_field)                                             \
             t.len_field = n;                                                                 \
+        if (n == 0)                                                                          \
+            bad = 1;                                                                         \
     } while (0)
     COLUMN(kind, "kind", uint8_t, nslots);
     COLUMN(handle, "handle", uint32_t, nslots);
+    COLUMN(sub, "sub", uint8_t, nslots);
     COLUMN(srtime, "slot_rtime", uint16_t, nslots);
+    COLUMN(chunk_live, "chunk_live", int32_t, nchunks);
+    COLUMN(chunk_touched, "chunk_touched", uint8_t, nchunks);
+    COLUMN(chunk_written, "chunk_written", uint8_t, nchunks);
+    uint64_t one;
+#define STATE(field, key, need)                                                              \
+    do {                                                                                     \
+        t.field = (int64_t *)address_of(d, key, sizeof(int64_t), &one);                      \
+        if (!t.field)                                                                        \
+            return NULL;                                                                     \
+        if (one < (need))                                                                    \
+            bad = 1;                                                                         \
+    } while (0)
+    STATE(slot_state, "slot_state", 1);
     COLUMN(arena, "arena", int32_t, nblobs);
     COLUMN(cell, "cell", uint32_t, nblobs);
     COLUMN(tier, "tier", uint8_t, nblobs);
@@ -321,10 +333,52 @@ static PyObject *Path_bind(Path *self, PyObject *args) {
     COLUMN(atime, "atime", uint32_t, nblobs);
     COLUMN(rtime, "rtime", uint32_t, nblobs);
     COLUMN(csum, "csum", uint32_t, nblobs);
+    COLUMN(gen, "gen", uint32_t, nblobs);
+    COLUMN(form, "form", uint8_t, nblobs);
+    uint64_t members;
+    t.members = (uint32_t *)address_of(d, "members", sizeof(uint32_t), &members);
+    if (!t.members)
+        return NULL;
+    t.stride = stride;
+    if (members / stride < t.nblobs)
+        t.nblobs = members / stride;
+    STATE(blob_state, "blob_state", 3);
+    COLUMN(fps, "index_fps", uint16_t, icap);
+    COLUMN(vals, "index_vals", uint32_t, icap);
+    STATE(index_state, "index_state", 4);
     COLUMN(a_addr, "arena_addr", uint64_t, narenas);
     COLUMN(a_class, "arena_class", int16_t, narenas);
+    COLUMN(a_used, "arena_used", int32_t, narenas);
+    COLUMN(a_free_head, "arena_free_head", uint32_t, narenas);
+    COLUMN(a_bump, "arena_bump", uint32_t, narenas);
+    COLUMN(a_next, "arena_next", int32_t, narenas);
+    COLUMN(a_prev, "arena_prev", int32_t, narenas);
+    COLUMN(a_flags, "arena_flags", uint8_t, narenas);
     COLUMN(class_cell, "class_cell", uint32_t, nclasses);
+    COLUMN(class_cells, "class_cells", uint32_t, nclasses);
+    COLUMN(class_arena, "class_arena", uint32_t, nclasses);
+    COLUMN(class_head, "class_head", int32_t, nclasses);
+    STATE(pool_state, "pool_state", 8);
+    COLUMN(codec_pages, "codec_pages", int64_t, ncodecs);
 #undef COLUMN
+#undef STATE
+    if (bad || t.ncodecs < 4 || t.nchunks < (t.nslots + CHUNK_SLOTS - 1) / CHUNK_SLOTS) {
+        PyErr_SetString(PyExc_ValueError, "bind: a table is empty or too short");
+        return NULL;
+    }
+    t.first_large = t.nclasses;
+    for (uint64_t i = 0; i < t.nclasses; i++) {
+        if (i && t.class_cell[i] <= t.class_cell[i - 1]) {
+            PyErr_SetString(PyExc_ValueError, "bind: class sizes not increasing");
+            return NULL;
+        }
+        if (t.class_cell[i] > MAX_COMPRESSED && t.first_large == t.nclasses)
+            t.first_large = i;
+    }
+    if (t.first_large != MAX_COMPRESSED / 32 || t.class_cell[t.nclasses - 1] < PAGE) {
+        PyErr_SetString(PyExc_ValueError, "bind: size classes are not the pool's");
+        return NULL;
+    }
     PyObject *keep = PyDict_Copy(d);
     if (!keep)
         return NULL;
@@ -353,94 +407,34 @@ static PyObject *Path_set_tick_base(Path *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static void observe(Path *self, double seconds) {
+/* set_writes(enabled, dedup, seed, hot_ticks, reclaim_bytes, max_blobs, doorbell): under
+ * the store lock. enabled: warm pages are lz4 without a dictionary, so native writes store
+ * them as Python would. */
+static PyObject *Path_set_writes(Path *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"enabled", "dedup", "seed", "hot_ticks", "reclaim_bytes",
+                            "max_blobs", "doorbell", NULL};
+    int enabled, dedup, doorbell;
+    unsigned long long seed, max_blobs;
+    long long hot_ticks, reclaim_bytes;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "ppKLLKi", names, &enabled, &dedup, &seed,
+                                     &hot_ticks, &reclaim_bytes, &max_blobs, &doorbell))
+        return NULL;
+    self->wp.enabled = enabled;
+    self->wp.dedup = dedup;
+    self->wp.seed = seed;
+    self->wp.hot_ticks = hot_ticks;
+    self->wp.reclaim_bytes = reclaim_bytes;
+    self->wp.max_blobs = max_blobs;
+    self->wp.doorbell = doorbell;
+    Py_RETURN_NONE;
+}
+
+static void observe(Path *self, Histogram *h, double seconds) {
     int i = 0;
     while (i < self->nbounds && seconds > self->bounds[i])
         i++;
-    atomic_fetch_add(&self->counts[i], 1);
-    atomic_fetch_add(&self->sum_ns, (unsigned long long)(seconds * 1e9));
-}
-
-/* Where a servable blob's bytes are, or NULL: the blob is not one warm pool page the
- * native path decodes. Under the lock. */
-static const uint8_t *servable(const Tables *t, uint32_t blob) {
-    if (blob >= t->nblobs || t->ref[blob] == 0 || t->pages[blob] != 1 ||
-        t->tier[blob] != TIER_POOL || t->dict_id[blob] != 0)
-        return NULL;
-    uint8_t codec = t->codec[blob];
-    uint16_t len = t->length[blob];
-    if (codec == CODEC_RAW) {
-        if (len != PAGE)
-            return NULL;
-    } else if (codec != CODEC_LZ4 && codec != CODEC_LZ4HC) {
-        return NULL;
-    }
-    int32_t a = t->arena[blob];
-    if (a < 0 || (uint64_t)a >= t->narenas || t->a_addr[a] == 0)
-        return NULL;
-    int16_t cls = t->a_class[a];
-    if (cls < 0 || (uint64_t)cls >= t->nclasses || len > t->class_cell[cls] || len == 0)
-        return NULL;
-    return (const uint8_t *)(uintptr_t)(t->a_addr[a] + (uint64_t)t->cell[blob] * t->class_cell[cls]);
-}
-
-/* One aligned READ of `count` pages from slot `first` into `out`: SERVED, or HAND_UP with
- * nothing changed that the Python path would not also change (the read ticks). */
-static int read_pages(Path *self, uint64_t first, uint64_t count, uint8_t *out) {
-    int result = HAND_UP;
-    pthread_mutex_lock(&self->lock->mu);
-    const Tables *t = &self->t;
-    if (!self->bound || first + count > t->nslots)
-        goto done;
-    int64_t now = (int64_t)((monotonic() - self->t0) * TICKS_PER_SECOND) + 1 - self->tick_base;
-    if (now >= TICK_REBASE || now < 1)
-        goto done; /* Python rebases the ticks */
-    /* First every page is checked, so that a request is served whole or not at all; each
-     * blob's bytes are found once, here. */
-    const uint8_t *src[MAX_IO / PAGE];
-    if (count > MAX_IO / PAGE)
-        goto done;
-    for (uint64_t i = 0; i < count; i++) {
-        uint64_t slot = first + i;
-        uint8_t kind = t->kind[slot];
-        src[i] = NULL;
-        if (kind == KIND_EMPTY)
-            continue;
-        if (kind == KIND_SAME) {
-            if (t->handle[slot] != 0)
-                goto done; /* a non-zero word: Python's table */
-            continue;
-        }
-        if (kind != KIND_BLOB || !(src[i] = servable(t, t->handle[slot])))
-            goto done;
-    }
-    /* Then each page decoded, and its access ticks recorded as PageStore._readinto_few
-     * records them (a request handed up midway leaves only ticks Python sets again). */
-    uint16_t low = (uint16_t)(now & TICK_MASK);
-    for (uint64_t i = 0; i < count; i++) {
-        uint8_t *dst = out + i * PAGE;
-        if (src[i] == NULL) {
-            memset(dst, 0, PAGE);
-            continue;
-        }
-        uint64_t slot = first + i;
-        uint32_t blob = t->handle[slot];
-        uint16_t len = t->length[blob];
-        if (self->checksums && (uint32_t)XXH3_64bits(src[i], len) != t->csum[blob])
-            goto done; /* Python reads it again, counts the mismatch and answers EIO */
-        if (t->codec[blob] == CODEC_RAW) {
-            memcpy(dst, src[i], PAGE);
-        } else if (LZ4_decompress_safe((const char *)src[i], (char *)dst, len, PAGE) != PAGE) {
-            goto done;
-        }
-        t->rtime[blob] = (uint32_t)now;
-        t->atime[blob] = (uint32_t)now;
-        t->srtime[slot] = low ? low : 1;
-    }
-    result = SERVED;
-done:
-    pthread_mutex_unlock(&self->lock->mu);
-    return result;
+    atomic_fetch_add(&h->counts[i], 1);
+    atomic_fetch_add(&h->sum_ns, (unsigned long long)(seconds * 1e9));
 }
 
 static int write_all(int fd, const uint8_t *buf, size_t len) {
@@ -454,33 +448,7 @@ static int write_all(int fd, const uint8_t *buf, size_t len) {
     }
 }
 
-/* A READ request of `n` bytes in `r`: SERVED (answered), or HAND_UP. */
-static int serve_read(Path *self, int fd, const uint8_t *r, ssize_t n, uint8_t *w, size_t wlen) {
-    uint64_t unique, nodeid, offset;
-    uint32_t size;
-    if (n < IN_HEADER + READ_IN)
-        return HAND_UP;
-    memcpy(&unique, r + 8, 8);
-    memcpy(&nodeid, r + 16, 8);
-    memcpy(&offset, r + IN_HEADER + 8, 8);
-    memcpy(&size, r + IN_HEADER + 16, 4);
-    if (nodeid != FILE_ID || offset >= self->size || offset % PAGE)
-        return HAND_UP;
-    uint64_t len = size;
-    if (len > self->size - offset)
-        len = self->size - offset;
-    if (len > MAX_IO)
-        len = MAX_IO;
-    if (len == 0 || len % PAGE || OUT_HEADER + len > wlen)
-        return HAND_UP;
-    atomic_fetch_add(&self->in_flight, 1);
-    double t0 = monotonic();
-    int result = read_pages(self, offset / PAGE, len / PAGE, w + OUT_HEADER);
-    double elapsed = monotonic() - t0;
-    atomic_fetch_sub(&self->in_flight, 1);
-    if (result != SERVED)
-        return HAND_UP;
-    uint32_t total = (uint32_t)(OUT_HEADER + len);
+static void reply(Path *self, int fd, uint8_t *w, uint64_t unique, uint32_t total) {
     int32_t error = 0;
     memcpy(w, &total, 4);
     memcpy(w + 4, &error, 4);
@@ -488,10 +456,161 @@ static int serve_read(Path *self, int fd, const uint8_t *r, ssize_t n, uint8_t *
     int err = write_all(fd, w, total);
     if (err && err != ENOENT) /* ENOENT: the request was interrupted meanwhile; fine */
         atomic_fetch_add(&self->reply_errors, 1);
-    atomic_fetch_add(&self->reads, 1);
-    atomic_fetch_add(&self->pages_read, len / PAGE);
-    atomic_fetch_add(&self->bytes_read, len);
-    observe(self, elapsed);
+}
+
+static int hand_up(Path *self, int reason) {
+    atomic_fetch_add(&self->c.handed_up[reason], 1);
+    return reason;
+}
+
+/* Per worker thread: what a request needs besides the request and reply buffers (~1.8 MiB,
+ * made once, so that no request allocates on the swap-in or swap-out path): the prepared
+ * pages of a write and their compressed bytes, a read's plan, the stored bytes of the dense
+ * blobs it decodes after the lock and their decoded frames, and a zstd context. */
+#define READ_JOBS_ROOM (8 * MAX_FRAME_PAGES * MAX_COMPRESSED)
+typedef struct {
+    WritePage pages[MAX_PAGES];
+    LZ4_stream_t lz4;
+    uint8_t scratch[MAX_PAGES * MAX_COMPRESSED];
+    ReadPlan plan;
+    uint8_t stored[READ_JOBS_ROOM];
+    uint8_t frames[8 * FRAME_BYTES];
+    ZSTD_DCtx *dctx;
+} ThreadScratch;
+
+static pthread_key_t scratch_key;
+
+static void scratch_free(void *p) {
+    ThreadScratch *s = p;
+    ZSTD_freeDCtx(s->dctx);
+    free(s);
+}
+
+static ZSTD_DCtx *magicless_dctx(void) {
+    ZSTD_DCtx *d = ZSTD_createDCtx();
+    if (d && ZSTD_isError(ZSTD_DCtx_setParameter(d, ZSTD_d_format, ZSTD_f_zstd1_magicless))) {
+        ZSTD_freeDCtx(d);
+        d = NULL;
+    }
+    return d;
+}
+
+static ThreadScratch *thread_scratch(void) {
+    ThreadScratch *s = pthread_getspecific(scratch_key);
+    if (s == NULL) {
+        s = malloc(sizeof *s);
+        if (s == NULL)
+            return NULL;
+        s->dctx = magicless_dctx();
+        if (s->dctx == NULL || pthread_setspecific(scratch_key, s) != 0) {
+            ZSTD_freeDCtx(s->dctx);
+            free(s);
+            return NULL;
+        }
+    }
+    return s;
+}
+
+/* A READ request of `n` bytes in `r`: SERVED (answered), or the reason it is handed up. */
+static int serve_read(Path *self, int fd, const uint8_t *r, ssize_t n, uint8_t *w, size_t wlen) {
+    uint64_t unique, nodeid, offset;
+    uint32_t size;
+    if (n < IN_HEADER + RW_IN)
+        return hand_up(self, UP_SHAPE);
+    memcpy(&unique, r + 8, 8);
+    memcpy(&nodeid, r + 16, 8);
+    memcpy(&offset, r + IN_HEADER + 8, 8);
+    memcpy(&size, r + IN_HEADER + 16, 4);
+    if (nodeid != FILE_ID || offset >= self->size || offset % PAGE)
+        return hand_up(self, UP_SHAPE);
+    uint64_t len = size;
+    if (len > self->size - offset)
+        len = self->size - offset;
+    if (len > MAX_IO)
+        len = MAX_IO;
+    if (len == 0 || len % PAGE || OUT_HEADER + len > wlen)
+        return hand_up(self, UP_SHAPE);
+    ThreadScratch *s = thread_scratch();
+    if (s == NULL)
+        return hand_up(self, UP_READ_BLOB);
+    atomic_fetch_add(&self->in_flight, 1);
+    double t0 = monotonic();
+    int result = UP_UNBOUND;
+    uint8_t *out = w + OUT_HEADER;
+    uint64_t count = len / PAGE;
+    pthread_mutex_lock(&self->lock->mu);
+    if (self->bound) {
+        int64_t now = store_now(self->t0, self->tick_base);
+        if (now < TICK_REBASE && now >= 1) /* else Python rebases the ticks */
+            result = native_read(&self->t, &self->fc, self->checksums, now, offset / PAGE, count,
+                                 out, &s->plan, s->stored, sizeof s->stored);
+    }
+    pthread_mutex_unlock(&self->lock->mu);
+    if (result == SERVED && s->plan.njobs) { /* dense blobs: decoded without the lock */
+        result = finish_read(&s->plan, s->stored, self->checksums, s->dctx, s->frames, out,
+                             count);
+        if (result == SERVED) {
+            pthread_mutex_lock(&self->lock->mu);
+            if (self->bound)
+                cache_frames(&self->t, &self->fc, &s->plan, s->frames, (int)s->plan.njobs);
+            pthread_mutex_unlock(&self->lock->mu);
+        }
+    }
+    double elapsed = monotonic() - t0;
+    atomic_fetch_sub(&self->in_flight, 1);
+    if (result != SERVED)
+        return hand_up(self, result);
+    /* counted before the reply: once it is written, the client may ask for the stats */
+    atomic_fetch_add(&self->c.reads, 1);
+    atomic_fetch_add(&self->c.pages_read, len / PAGE);
+    atomic_fetch_add(&self->c.bytes_read, len);
+    observe(self, &self->read_latency, elapsed);
+    reply(self, fd, w, unique, (uint32_t)(OUT_HEADER + len));
+    return SERVED;
+}
+
+/* A WRITE request of `n` bytes in `r`: SERVED (answered), or the reason it is handed up. */
+static int serve_write(Path *self, int fd, const uint8_t *r, ssize_t n, uint8_t *w, size_t wlen) {
+    uint64_t unique, nodeid, offset;
+    uint32_t size;
+    if (!self->wp.enabled || n < IN_HEADER + RW_IN)
+        return hand_up(self, UP_SHAPE);
+    memcpy(&unique, r + 8, 8);
+    memcpy(&nodeid, r + 16, 8);
+    memcpy(&offset, r + IN_HEADER + 8, 8);
+    memcpy(&size, r + IN_HEADER + 16, 4);
+    if (nodeid != FILE_ID || offset % PAGE || size % PAGE || size == 0 || size > MAX_IO ||
+        offset >= self->size || size > self->size - offset ||
+        (uint64_t)n < (uint64_t)IN_HEADER + RW_IN + size || wlen < OUT_HEADER + WRITE_OUT)
+        return hand_up(self, UP_SHAPE);
+    ThreadScratch *s = thread_scratch();
+    if (s == NULL)
+        return hand_up(self, UP_WRITE_ROOM);
+    atomic_fetch_add(&self->in_flight, 1);
+    double t0 = monotonic();
+    uint64_t count = size / PAGE;
+    /* the expensive part (hashes, lz4) before the lock, as Placer.prepare */
+    int result = prepare_write(&self->wp, r + IN_HEADER + RW_IN, count, s->pages, s->scratch,
+                               &s->lz4);
+    if (result == SERVED) {
+        result = UP_UNBOUND;
+        pthread_mutex_lock(&self->lock->mu);
+        if (self->bound && self->wp.enabled) {
+            int64_t now = store_now(self->t0, self->tick_base);
+            if (now < TICK_REBASE && now >= 1)
+                result = native_write(&self->t, &self->wp, &self->c, now, offset / PAGE, count,
+                                      s->pages);
+        }
+        pthread_mutex_unlock(&self->lock->mu);
+    }
+    double elapsed = monotonic() - t0;
+    atomic_fetch_sub(&self->in_flight, 1);
+    if (result != SERVED)
+        return hand_up(self, result);
+    memcpy(w + OUT_HEADER, &size, 4);
+    memset(w + OUT_HEADER + 4, 0, 4);
+    observe(self, &self->write_latency, elapsed);
+    reply(self, fd, w, unique, OUT_HEADER + WRITE_OUT);
     return SERVED;
 }
 
@@ -523,6 +642,8 @@ static PyObject *Path_serve(Path *self, PyObject *args) {
             memcpy(&opcode, r + 4, 4);
         if (opcode == FUSE_READ && serve_read(self, fd, r, n, w, wlen) == SERVED)
             continue;
+        if (opcode == FUSE_WRITE && serve_write(self, fd, r, n, w, wlen) == SERVED)
+            continue;
         atomic_fetch_add(&self->handed_up, 1);
         result = n;
         break;
@@ -533,21 +654,143 @@ static PyObject *Path_serve(Path *self, PyObject *args) {
     return PyLong_FromSsize_t(result);
 }
 
-/* counters() -> dict: what the native path served, for stats and the metrics. */
-static PyObject *Path_counters(Path *self, PyObject *unused) {
+/* set_packing(frame_pages, level): the recompressor's frames (compression.frame_pages,
+ * algorithm zstd at `level`), as Placer.store_group compresses them: magicless frames
+ * without content size, checksum or dictionary id, parameters for the frame's size. */
+static PyObject *Path_set_packing(Path *self, PyObject *args) {
+    int pages, level;
+    if (!PyArg_ParseTuple(args, "ii", &pages, &level))
+        return NULL;
+    if (pages < 1 || pages > MAX_FRAME_PAGES || level < 1 || level > ZSTD_maxCLevel()) {
+        PyErr_SetString(PyExc_ValueError, "set_packing: frame pages 1-16, a zstd level");
+        return NULL;
+    }
+    ZSTD_CCtx *c = ZSTD_createCCtx();
+    if (c == NULL)
+        return PyErr_NoMemory();
+    size_t e = 0;
+    e |= ZSTD_isError(ZSTD_CCtx_setParameter(c, ZSTD_c_compressionLevel, level));
+    e |= ZSTD_isError(ZSTD_CCtx_setParameter(c, ZSTD_c_format, ZSTD_f_zstd1_magicless));
+    e |= ZSTD_isError(ZSTD_CCtx_setParameter(c, ZSTD_c_contentSizeFlag, 0));
+    e |= ZSTD_isError(ZSTD_CCtx_setParameter(c, ZSTD_c_checksumFlag, 0));
+    e |= ZSTD_isError(ZSTD_CCtx_setParameter(c, ZSTD_c_dictIDFlag, 0));
+    e |= ZSTD_isError(ZSTD_CCtx_setParameter(c, ZSTD_c_srcSizeHint, pages * PAGE));
+    if (e) {
+        ZSTD_freeCCtx(c);
+        PyErr_SetString(PyExc_RuntimeError, "set_packing: libzstd refused a parameter");
+        return NULL;
+    }
+    pthread_mutex_lock(&self->pack_mu);
+    if (self->pack_cctx)
+        ZSTD_freeCCtx(self->pack_cctx);
+    self->pack_cctx = c;
+    self->pack_level = level;
+    self->pack_pages = pages;
+    pthread_mutex_unlock(&self->pack_mu);
+    Py_RETURN_NONE;
+}
+
+/* pack(blobs, gens, slots) -> (switched, raced, kept, bad, room): the recompressor's pass for
+ * warm blobs held by one slot each (uint32, uint32, uint64 arrays of one length, in slot
+ * order); takes the store lock itself, so the caller must not hold it. */
+static PyObject *Path_pack(Path *self, PyObject *args) {
+    Py_buffer b, g, sl;
+    if (!PyArg_ParseTuple(args, "y*y*y*", &b, &g, &sl))
+        return NULL;
+    uint64_t n = (uint64_t)b.len / 4;
+    PackResult r;
+    memset(&r, 0, sizeof r);
+    int result = SERVED;
+    if ((uint64_t)g.len != n * 4 || (uint64_t)sl.len != n * 8) {
+        PyBuffer_Release(&b);
+        PyBuffer_Release(&g);
+        PyBuffer_Release(&sl);
+        PyErr_SetString(PyExc_ValueError, "pack: blobs, gens (uint32) and slots (uint64) of one length");
+        return NULL;
+    }
+    ZSTD_DCtx *unused = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->pack_mu);
+    if (self->pack_cctx == NULL || !self->bound) {
+        result = UP_UNBOUND;
+    } else {
+        result = native_pack(&self->t, &self->wp, &self->lock->mu, b.buf, g.buf, sl.buf, n,
+                             self->pack_pages, self->pack_cctx, unused, &r);
+    }
+    pthread_mutex_unlock(&self->pack_mu);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
+    PyBuffer_Release(&g);
+    PyBuffer_Release(&sl);
+    if (result == UP_UNBOUND) {
+        PyErr_SetString(PyExc_RuntimeError, "pack: not bound, or set_packing not called");
+        return NULL;
+    }
+    atomic_fetch_add(&self->packed, r.switched);
+    atomic_fetch_add(&self->pack_raced, r.raced);
+    atomic_fetch_add(&self->pack_kept, r.kept);
+    atomic_fetch_add(&self->pack_bad, r.bad);
+    return Py_BuildValue("(KKKKO)", (unsigned long long)r.switched, (unsigned long long)r.raced,
+                         (unsigned long long)r.kept, (unsigned long long)r.bad,
+                         result == SERVED ? Py_True : Py_False);
+}
+
+/* drop_idle(seconds): under the store lock (the caller holds it), from the maintainer: the
+ * native frame cache's entries not used for that long go (HotCache.drop_idle). */
+static PyObject *Path_drop_idle(Path *self, PyObject *args) {
+    double idle;
+    if (!PyArg_ParseTuple(args, "d", &idle))
+        return NULL;
+    frame_cache_drop_idle(&self->fc, idle);
+    Py_RETURN_NONE;
+}
+
+static PyObject *histogram(Path *self, Histogram *h) {
     PyObject *counts = PyList_New(self->nbounds + 1);
     if (!counts)
         return NULL;
     for (int i = 0; i <= self->nbounds; i++)
-        PyList_SET_ITEM(counts, i, PyLong_FromUnsignedLongLong(atomic_load(&self->counts[i])));
+        PyList_SET_ITEM(counts, i, PyLong_FromUnsignedLongLong(atomic_load(&h->counts[i])));
+    return Py_BuildValue("(Nd)", counts, atomic_load(&h->sum_ns) * 1e-9);
+}
+
+static const char *const REASONS[UP_REASONS] = {
+    "unbound", "shape", "read_blob", "corrupt", "write_word", "write_disk", "write_dedup",
+    "write_room",
+};
+
+/* counters() -> dict: what the native path served, for stats and the metrics. */
+static PyObject *Path_counters(Path *self, PyObject *unused) {
+    PyObject *reasons = PyDict_New();
+    if (!reasons)
+        return NULL;
+    for (int i = 0; i < UP_REASONS; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(atomic_load(&self->c.handed_up[i]));
+        if (!v || PyDict_SetItemString(reasons, REASONS[i], v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(reasons);
+            return NULL;
+        }
+        Py_DECREF(v);
+    }
+    StoreCounters *c = &self->c;
+#define U(x) (unsigned long long)atomic_load(&(x))
     return Py_BuildValue(
-        "{sKsKsKsKsKsKsNsd}", "reads", (unsigned long long)atomic_load(&self->reads),
-        "pages_read", (unsigned long long)atomic_load(&self->pages_read),
-        "bytes_read", (unsigned long long)atomic_load(&self->bytes_read),
-        "handed_up", (unsigned long long)atomic_load(&self->handed_up),
-        "in_flight", (unsigned long long)atomic_load(&self->in_flight),
-        "reply_errors", (unsigned long long)atomic_load(&self->reply_errors),
-        "latency_counts", counts, "latency_sum_s", atomic_load(&self->sum_ns) * 1e-9);
+        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsNsNsN}",
+        "reads", U(c->reads), "pages_read", U(c->pages_read), "bytes_read", U(c->bytes_read),
+        "writes", U(c->writes), "pages_written", U(c->pages_written),
+        "bytes_written", U(c->bytes_written), "dedup_hits", U(c->dedup_hits),
+        "dedup_compares", U(c->dedup_compares), "hash_collisions", U(c->hash_collisions),
+        "pingpong", U(c->pingpong), "handed_up", U(self->handed_up),
+        "packed_pages", U(self->packed), "pack_raced", U(self->pack_raced),
+        "pack_kept", U(self->pack_kept), "pack_bad", U(self->pack_bad),
+        "frame_cache_hits", (unsigned long long)self->fc.hits,
+        "frame_cache_misses", (unsigned long long)self->fc.misses,
+        "frame_cache_bytes", (unsigned long long)frame_cache_bytes(&self->fc),
+        "in_flight", U(self->in_flight), "reply_errors", U(self->reply_errors),
+        "handed_up_by", reasons, "read_latency", histogram(self, &self->read_latency),
+        "write_latency", histogram(self, &self->write_latency));
+#undef U
 }
 
 static PyObject *Path_in_flight(Path *self, PyObject *unused) {
@@ -555,10 +798,16 @@ static PyObject *Path_in_flight(Path *self, PyObject *unused) {
 }
 
 static PyMethodDef Path_methods[] = {
-    {"bind", (PyCFunction)Path_bind, METH_VARARGS, "bind(tables, tick_base), under the lock"},
+    {"bind", (PyCFunction)Path_bind, METH_VARARGS, "bind(tables, tick_base, stride), under the lock"},
     {"unbind", (PyCFunction)Path_unbind, METH_NOARGS, "unbind(), under the lock"},
     {"set_tick_base", (PyCFunction)Path_set_tick_base, METH_VARARGS, "under the lock"},
+    {"set_writes", (PyCFunction)(void (*)(void))Path_set_writes, METH_VARARGS | METH_KEYWORDS,
+     "set_writes(enabled, dedup, seed, hot_ticks, reclaim_bytes, max_blobs, doorbell), under the lock"},
     {"serve", (PyCFunction)Path_serve, METH_VARARGS, "serve(fd, rbuf, wbuf) -> int"},
+    {"set_packing", (PyCFunction)Path_set_packing, METH_VARARGS, "set_packing(frame_pages, level)"},
+    {"pack", (PyCFunction)Path_pack, METH_VARARGS,
+     "pack(blobs, gens, slots) -> (switched, raced, kept, bad, room); takes the lock itself"},
+    {"drop_idle", (PyCFunction)Path_drop_idle, METH_VARARGS, "drop_idle(seconds), under the lock"},
     {"counters", (PyCFunction)Path_counters, METH_NOARGS, "counters() -> dict"},
     {"in_flight", (PyCFunction)Path_in_flight, METH_NOARGS, "requests being served now"},
     {NULL, NULL, 0, NULL},
@@ -569,7 +818,7 @@ static PyTypeObject PathType = {
     .tp_name = "agentzip_blk.datapath.nativeloop.Path",
     .tp_basicsize = sizeof(Path),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Path(lock, size, t0, buckets, checksums=True): the native FUSE read path.",
+    .tp_doc = "Path(lock, size, t0, buckets, checksums=True): the native FUSE request path.",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Path_init,
     .tp_dealloc = (destructor)Path_dealloc,
@@ -582,6 +831,10 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit_nativeloop(void) {
+    if (pthread_key_create(&scratch_key, scratch_free) != 0) {
+        PyErr_SetString(PyExc_OSError, "pthread_key_create");
+        return NULL;
+    }
     if (PyType_Ready(&StoreLockType) < 0 || PyType_Ready(&PathType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);

@@ -56,6 +56,8 @@ def config(key, value):
 def config_complete():
     global _server
     _server = Server.from_keys(_keys)  # a bad config stops nbdkit here, before it listens
+    # so does memory that cannot be locked with the disk tier on (start() checks again)
+    protect.require_locked(protect.lock_memory(), _server.config.pool.swap_out_path)
 
 
 def after_fork():

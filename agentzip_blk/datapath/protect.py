@@ -34,6 +34,25 @@ def lock_memory() -> str | None:
     return None
 
 
+class MemoryNotLocked(RuntimeError):
+    """mlockall failed while the disk tier is on: the server does not start."""
+
+
+def require_locked(why: str | None, disk_tier: str | None) -> None:
+    """The mlockall policy. With the disk tier on, an unlocked server is refused: its
+    memory holds the tier's key (and every tenant's pages in the clear), and reclaim could
+    write them to another swap area, in the clear, where no key protects them. Without it,
+    the server runs and says so (its log; status and doctor). ``why``: lock_memory()'s
+    reason, None when locked."""
+    if why is None or not disk_tier:
+        return
+    raise MemoryNotLocked(
+        f"mlockall failed ({why}): with the disk tier on (pool.swap_out_path {disk_tier}) the "
+        "server will not run with memory that can be swapped out (the tier's key, every "
+        "tenant's pages); raise RLIMIT_MEMLOCK (LimitMEMLOCK=infinity in the unit, "
+        "`ulimit -l unlimited`) or keep CAP_IPC_LOCK, or set pool.swap_out_path: null")
+
+
 def lower_oom_score(value: int = -1000) -> str | None:
     try:
         with open("/proc/self/oom_score_adj", "w") as f:

@@ -17,17 +17,23 @@ from dataclasses import dataclass, field
 
 from .. import __version__, procfs
 from ..codec import dictionaries
-from ..config import Config, load_config
+from ..config import Config, load_config, load_file
 from ..config.quantities import parse_size
 from ..store import PageStore
 from ..store.tiering import Maintainer
 from . import latency, native, protect
+from .freed import FreedSlots
 from .control import ControlServer
 from .guard import SignalGuard
 from .pressure import HostPressure
 
-PLUGIN_KEYS = ("config", "size", "control", "fuse", "fuse_threads")
+PLUGIN_KEYS = ("config", "config_sha256", "size", "control", "fuse", "fuse_threads")
 MAX_STATS_AGE = 3600  # s: the oldest cached stats a `stats` request may ask for
+# s: the youngest stats a member of the control group gets. A fresh one is a scan of the
+# slot table under the store lock (15-40 ms at 64Ki pages); asked for with max_age 0 in a
+# loop, that lock would be the group's to hold. So the group's requests force at most one
+# scan per this many seconds, together (the exporter asks for 5 s old anyway).
+GROUP_STATS_MIN_AGE = 5.0
 
 # The control verbs that only read: what members of device.control_group may use (a
 # metrics exporter that is not root). The others change the device or stop the server.
@@ -37,6 +43,9 @@ READ_ONLY_VERBS = ("ping", "health", "stats", "slots")
 @dataclass
 class ServerOptions:
     config_path: str | None = None
+    # `up` pins the effective config it wrote into the run directory by its digest: then
+    # that one file is read, without drop-ins (config.load_file)
+    config_sha256: str | None = None
     size: int | None = None
     control: str | None = None
     fuse: str | None = None  # mount point of the FUSE front door (datapath.fuse)
@@ -51,8 +60,9 @@ class ServerOptions:
             )
         size = parse_size(keys["size"]) if "size" in keys else None
         threads = int(keys["fuse_threads"]) if "fuse_threads" in keys else None
-        return cls(config_path=keys.get("config"), size=size, control=keys.get("control"),
-                   fuse=keys.get("fuse"), fuse_threads=threads)
+        return cls(config_path=keys.get("config"), config_sha256=keys.get("config_sha256"),
+                   size=size, control=keys.get("control"), fuse=keys.get("fuse"),
+                   fuse_threads=threads)
 
 
 @dataclass
@@ -77,6 +87,7 @@ class Server:
         self.control: ControlServer | None = None
         self.maintainer: Maintainer | None = None
         self.pressure: HostPressure | None = None
+        self.freed: FreedSlots | None = None
         self.fuse = None  # datapath.fuse.FuseFile when the fuse= key is given
         # who answers the FUSE door's warm reads (datapath.native); NBD requests are Python's
         self.datapath: native.Choice = (native.choose(config.device.datapath) if options.fuse
@@ -94,7 +105,14 @@ class Server:
     def from_keys(cls, keys: dict[str, str]) -> Server:
         options = ServerOptions.from_keys(keys)
         # unknown dictionary names become config errors
-        config = load_config(options.config_path, known_dictionaries=dictionaries.known_names())
+        known = dictionaries.known_names()
+        if options.config_sha256:
+            if not options.config_path:
+                raise ValueError("config_sha256= needs config=")
+            config = load_file(options.config_path, sha256=options.config_sha256,
+                               known_dictionaries=known)
+        else:  # the operator's own file and its drop-ins (`serve --config`)
+            config = load_config(options.config_path, known_dictionaries=known)
         dictionaries.check_setting(config)  # a bad dictionary file stops nbdkit before it listens
         return cls(options, config)
 
@@ -111,19 +129,30 @@ class Server:
             _say(f"agentzip: core dumps not forbidden: {self.protection.core_dumps}")
         # mlockall is undone by fork(): lock again in the process that serves.
         self.protection.memory_locked = protect.lock_memory()
+        protect.require_locked(self.protection.memory_locked, self.config.pool.swap_out_path)
+        if self.protection.memory_locked is not None:
+            _say(f"agentzip: memory NOT locked (mlockall: {self.protection.memory_locked}): a "
+                 "server page swapped onto its own device deadlocks the swap-in; raise "
+                 "RLIMIT_MEMLOCK (LimitMEMLOCK=infinity)")
         self.protection.oom_score = protect.lower_oom_score()
         self.protection.io_flusher = protect.set_io_flusher()
         self.store = PageStore.from_config(self.size, self.config,
                                            lock=native.make_lock(self.datapath))
         self.pressure = HostPressure()
         self.store.pressure = self.pressure
+        # the slots the kernel freed without telling us, from its swap map of our area
+        # (the area is the device `up` names to the guard before swapon)
+        self.freed = FreedSlots(self.config.device.swap_map,
+                                lambda: self.guard.device if self.guard else None)
+        self.store.kernel_map = self.freed.read
         self.maintainer = Maintainer(self.store)
         self.maintainer.start()
         if self.options.control:
             group = self.config.device.control_group
             self.control = ControlServer(self.options.control, self.handlers(),
                                          read_only=READ_ONLY_VERBS,
-                                         group_gid=grp.getgrnam(group).gr_gid if group else None)
+                                         group_gid=grp.getgrnam(group).gr_gid if group else None,
+                                         group_handlers={"stats": self._group_stats})
             self.control.start()
         if self.options.fuse:
             self._start_fuse()
@@ -134,7 +163,8 @@ class Server:
         threads = self.options.fuse_threads or fuse.DEFAULT_THREADS
         if self.datapath.path == "native":
             self.native = native.NativePath(self.store)
-            self.latency.read.sources.append(self.native.latency)
+            self.latency.read.sources.append(self.native.read_latency)
+            self.latency.write.sources.append(self.native.write_latency)
         self.fuse = fuse.serve_server(self, self.options.fuse, threads, self.native)
 
     def stop(self) -> None:
@@ -146,6 +176,8 @@ class Server:
             self.control.stop()
         if self.maintainer is not None:
             self.maintainer.stop()
+        if self.freed is not None:
+            self.freed.close()
         if self.store is not None:
             self.store.close()  # removes the disk tier file
 
@@ -195,6 +227,7 @@ class Server:
             "slots": self._slots,
             "health": self._health,
             "guard": self._guard,
+            "owned": self._owned,
             "shutdown": self._shutdown,
         }
 
@@ -205,7 +238,10 @@ class Server:
         return {"pid": os.getpid(), "store": self.store.health(),
                 "guarded": self.guard is not None and self.guard.guarded(),
                 "datapath": self.datapath.path, "version": __version__,
-                "started": round(self.started, 3)}
+                "started": round(self.started, 3),
+                "memory_locked": self.protection.memory_locked is None,
+                # why mlockall failed (status and doctor say it), None when locked
+                "memory_lock_error": self.protection.memory_locked}
 
     def _guard(self, request: dict) -> dict:
         """`up` names the device before swapon: polite signals are refused while it is swap."""
@@ -216,6 +252,20 @@ class Server:
             raise ValueError("this server was started without a signal guard")
         self.guard.arm(device)  # once: another device is refused (SignalGuard.arm)
         return {"device": device}
+
+    def _owned(self, request: dict) -> dict:
+        """What this server owns, from its own memory: the device `up` armed the guard with
+        (the swap area over this server) and the file of its disk tier (device and inode of
+        the descriptor the tier holds). `down` asks before it acts: it swaps off and detaches
+        only that device, and removes only that file (host.tierfile), never what a file in
+        the run directory names (state.json, RUN/config.yaml, RUN/config.d)."""
+        disk = self.store.disk if self.store is not None else None
+        tier = None
+        if disk is not None:
+            held = _held_file(disk.path)
+            tier = {"path": disk.path, "dev": held.st_dev if held else None,
+                    "ino": held.st_ino if held else None}
+        return {"device": self.guard.device if self.guard is not None else None, "tier": tier}
 
     def _shutdown(self, request: dict) -> dict:
         """The regular stop, sent by `down` after swapoff; refused while swap is on."""
@@ -264,15 +314,17 @@ class Server:
         """Run one maintenance round now (demotion above the threshold, compaction)."""
         return self.store.maintain()
 
+    def _group_stats(self, request: dict) -> dict:
+        """`stats` for the control group: never younger than GROUP_STATS_MIN_AGE."""
+        max_age = _max_age(request)
+        return self._stats({**request, "max_age": max(max_age, GROUP_STATS_MIN_AGE)})
+
     def _stats(self, request: dict) -> dict:
         """Store stats from the cached snapshot (store.accounting.StatsCache): request
         {"max_age": s} takes one up to s seconds old (the exporter does: a scrape storm then
         scans nothing); without it, one taken after the request came, shared with the
         requests waiting for the same scan. The reply says how old it is."""
-        max_age = request.get("max_age", 0)
-        if isinstance(max_age, bool) or not isinstance(max_age, (int, float)) or not (
-                0 <= max_age <= MAX_STATS_AGE):
-            raise ValueError(f'"max_age" must be a number of seconds, 0-{MAX_STATS_AGE}')
+        max_age = _max_age(request)
         now = time.monotonic()
         last = self._stats_reply
         if max_age > 0 and last is not None and last[1] + (now - last[2]) <= max_age:
@@ -304,7 +356,10 @@ class Server:
             "host_pressure_seen": self.pressure.seen if self.pressure else 0,
             "maintenance_error": self.maintainer.last_error if self.maintainer else None,
             "control_refused": self.control.refused if self.control else 0,
+            # connections turned away because too many were open (control.MAX_*)
+            "control_busy": self.control.busy if self.control else 0,
             "datapath": self._datapath(),
+            "swap_map": self.freed.describe() if self.freed else None,
         }
         if self.fuse is not None:
             from . import fuse
@@ -319,9 +374,36 @@ class Server:
         out = {"path": self.datapath.path, "reason": self.datapath.reason}
         if self.native is not None:
             counters = self.native.counters()
-            for key in ("reads", "pages_read", "bytes_read", "handed_up", "reply_errors"):
+            out["native_writes_served"] = self.native.writes
+            out["native_packs_served"] = self.native.packs
+            for key in ("reads", "pages_read", "bytes_read", "writes", "pages_written",
+                        "bytes_written", "packed_pages", "frame_cache_hits",
+                        "frame_cache_misses", "handed_up", "handed_up_by", "reply_errors"):
                 out[f"native_{key}"] = counters[key]
         return out
+
+
+def _max_age(request: dict) -> float:
+    max_age = request.get("max_age", 0)
+    if isinstance(max_age, bool) or not isinstance(max_age, (int, float)) or not (
+            0 <= max_age <= MAX_STATS_AGE):
+        raise ValueError(f'"max_age" must be a number of seconds, 0-{MAX_STATS_AGE}')
+    return max_age
+
+
+def _held_file(path: str) -> os.stat_result | None:
+    """The stat of the file this process holds open at ``path`` (through /proc/self/fd,
+    so it is the file we hold, whatever has happened to the path since)."""
+    # the kernel names the file by its canonical path (a directory above may be a link)
+    names = {path, os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))}
+    for name in os.listdir("/proc/self/fd"):
+        link = f"/proc/self/fd/{name}"
+        try:
+            if os.readlink(link).removesuffix(" (deleted)") in names:
+                return os.stat(link)
+        except OSError:
+            continue
+    return None
 
 
 def _aged(reply: dict, age: float, max_age: float) -> dict:

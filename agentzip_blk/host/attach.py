@@ -13,15 +13,14 @@ import contextlib
 import grp
 import os
 import signal
-import stat
 import time
 from typing import Iterator
 
 from .. import procfs
 from ..config.quantities import format_bytes
+from ..datapath import control
 from ..errors import DeviceError, SetupError
 from . import facts
-from ..datapath import control
 from .chain import (check_up_preconditions, liveness, resolve_frontend, stray_loops, sweep,
                     teardown, up_steps, write_effective_config)
 from .health import health
@@ -29,6 +28,7 @@ from .procs import STOPPED_STATES, ours_alive, wait_gone
 from .runstate import (DEFAULT_PRIORITY, STATE_FILE, RunState, config_device, locked,
                        resolve_run_dir)
 from .servercmd import default_plugin_path, is_python_plugin
+from .tierfile import TierFile, remove_leftover
 
 
 # swapoff needs the swapped bytes back in RAM; keep this much on top of them
@@ -137,13 +137,16 @@ def _up_locked(run_dir: str, plugin: str, nbd_socket: str, config, config_path: 
             os.unlink(os.path.join(run_dir, name))
 
     control = os.path.join(run_dir, "control.sock") if is_python_plugin(plugin) else None
+    digest = None
     if config is not None:
         # The server must run on exactly the config the caller validated (which may not
-        # be a file at all): hand it over as a file in the run directory.
-        config_path = write_effective_config(config, run_dir)
+        # be a file at all): hand it over as a file in the run directory, pinned by its
+        # digest, and read alone (no RUN/config.d: the run directory gives no orders).
+        config_path, digest = write_effective_config(config, run_dir)
     state = RunState(run_dir=run_dir, plugin=plugin, nbd_socket=nbd_socket,
                      control_socket=control,
                      config_path=os.path.abspath(config_path) if config_path else None,
+                     config_sha256=digest,
                      size=size, swap_priority=priority,
                      mode="nbd" if kernel_nbd else "fuse", frontend=frontend,
                      tools=tools, mlock=mlock,
@@ -153,7 +156,7 @@ def _up_locked(run_dir: str, plugin: str, nbd_socket: str, config, config_path: 
         up_steps(state, timeout, fail_after)
     except BaseException as exc:
         try:
-            teardown(state, timeout)
+            teardown(state, timeout, trusted=True)  # our own state, in memory
         except Exception as rb:  # keep the state so that `down` can finish the job
             raise DeviceError(f"{exc}; rollback failed too: {rb} (state kept in "
                               f"{state.path}; fix and run `agentzip-blk down`)") from exc
@@ -164,7 +167,11 @@ def _up_locked(run_dir: str, plugin: str, nbd_socket: str, config, config_path: 
 def down(run_dir: str | None = None, force: bool = False, *, config=None,
          timeout: float = 30.0) -> dict:
     """Detach and stop. Refuses swapoff when MemAvailable cannot take back our swapped
-    bytes (plus a margin) unless ``force``. Returns a summary dict."""
+    bytes (plus a margin) unless ``force``. Returns a summary dict.
+
+    ``config``: the operator's config (never one from the run directory). A server that
+    died leaves its disk tier: the path the server gave when asked, else this config's
+    ``pool.swap_out_path``, is removed if it is a tier file nobody holds (host.tierfile)."""
     run_dir = resolve_run_dir(config, run_dir)
     facts.require_root("agentzip-blk down")
     with locked(run_dir):
@@ -172,7 +179,7 @@ def down(run_dir: str | None = None, force: bool = False, *, config=None,
         if state is None:
             _release_cgroups(run_dir)  # a tuner may have run without a device
             if force:
-                orphans = _sweep_orphans(run_dir, timeout)
+                orphans = _sweep_orphans(run_dir, timeout, config)
                 if orphans is not None:
                     return orphans
             raise NotAttached(f"no device attached from {run_dir} (no {STATE_FILE})")
@@ -193,23 +200,28 @@ def down(run_dir: str | None = None, force: bool = False, *, config=None,
                                   "; `agentzip-blk down --force` gives up what it cannot read")
         t0 = time.monotonic()
         cgroups = _release_cgroups(run_dir)
+        served, tier = _owned(state, config, timeout)  # asked before the server stops
         if force and (area is not None or liveness(state)["nbdkit"]):
             given_up = _unwedge(state)
         if force:
             # every loop over our FUSE file, the state's and any it does not name (an older
             # up's), before teardown unmounts: a lazy unmount would hide their backing path
             sweep(run_dir, timeout, state.tools, unmount=False)
-        teardown(state, timeout, swapoff_timeout=max(timeout, 120.0) if given_up else None)
-        _remove_tier_file(state)
+        teardown(state, timeout, swapoff_timeout=max(timeout, 120.0) if given_up else None,
+                 served=served)
+        left = remove_leftover(tier) if tier is not None else None
         return {"run_dir": run_dir, "device": state.device, "swapped_in": used,
                 "seconds": round(time.monotonic() - t0, 3), "cgroups": cgroups,
-                "server_lost": given_up}
+                "server_lost": given_up,
+                "tier_left": f"{tier.path}: {left}" if left else None}
 
 
-def _sweep_orphans(run_dir: str, timeout: float) -> dict | None:
+def _sweep_orphans(run_dir: str, timeout: float, config=None) -> dict | None:
     """`down --force` without a state file: detach what is still over our FUSE file (swap
     areas, loop devices, the mount), then ask a server still on RUN/control.sock to stop (it
-    refuses while a swap area points at it). None when there was nothing of ours."""
+    refuses while a swap area points at it). A server that stops removes its own disk tier;
+    without one, the tier the operator's config names is removed if it is a leftover
+    (host.tierfile). None when there was nothing of ours."""
     t0 = time.monotonic()
     used = sum(a.used for loop in stray_loops(run_dir) if (a := procfs.swap_area(loop)))
     loops = sweep(run_dir, timeout)
@@ -223,9 +235,12 @@ def _sweep_orphans(run_dir: str, timeout: float) -> dict | None:
             pass
     if not loops and not stopped:
         return None
+    path = config.pool.swap_out_path if config is not None else None
+    left = remove_leftover(TierFile(path)) if path and not stopped else None
     return {"run_dir": run_dir, "device": ", ".join(loops) or None, "swapped_in": used,
             "seconds": round(time.monotonic() - t0, 3), "cgroups": "", "server_lost": False,
-            "orphans": loops, "server_stopped": stopped}
+            "orphans": loops, "server_stopped": stopped,
+            "tier_left": f"{path}: {left}" if left else None}
 
 
 def _unwedge(state: RunState) -> bool:
@@ -254,27 +269,25 @@ def _unwedge(state: RunState) -> bool:
     return True
 
 
-def _remove_tier_file(state: RunState) -> None:
-    """A server that was killed leaves its disk tier behind: compressed pages of every
-    sandbox. Only a regular file at the configured path is removed (never a link), and only
-    the config `up` wrote into the run directory names it: a path in state.json that points
-    elsewhere is not root's instruction."""
-    if not state.config_path or state.config_path != os.path.join(state.run_dir, "config.yaml"):
-        return
-    try:
-        from ..config import load_config
-        path = load_config(state.config_path).pool.swap_out_path
-    except Exception:
-        return
-    if not path:
-        return
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return
-    if stat.S_ISREG(st.st_mode):
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+def _owned(state: RunState, config, timeout: float) -> tuple[str | None, TierFile | None]:
+    """(the device the server serves as swap, its disk tier file), from the server's own
+    memory (the ``owned`` verb: the guard `up` armed once, the file its tier holds). Without
+    an answer (dead, stopped, an old server): no device (chain.teardown then needs the
+    kernel's word that the device is ours) and the tier the operator's config names. The
+    run directory's files never name either: anyone who can write there could name any."""
+    pid = state.nbdkit_pid
+    if (state.control_socket and ours_alive(pid, state.tool("nbdkit"), state.nbd_socket)
+            and procfs.process_state(pid) not in STOPPED_STATES):
+        try:
+            reply = control.request(state.control_socket, "owned", timeout=min(timeout, 5.0))
+        except control.ControlError:
+            pass
+        else:
+            device = reply.get("device")
+            return (device if isinstance(device, str) else None,
+                    TierFile.from_reply(reply.get("tier")))
+    path = config.pool.swap_out_path if config is not None else None
+    return None, (TierFile(path) if path else None)
 
 
 def _release_cgroups(run_dir: str) -> str:
@@ -296,4 +309,4 @@ def attached(config=None, run_dir: str | None = None, **kwargs) -> Iterator[RunS
     try:
         yield state
     finally:
-        down(state.run_dir, force=True, timeout=kwargs.get("timeout", 30.0))
+        down(state.run_dir, force=True, config=config, timeout=kwargs.get("timeout", 30.0))

@@ -31,6 +31,10 @@ from .servercmd import (SERVER_PATH, default_plugin_path, is_python_plugin, plug
 SWAP_LABEL = "agentzip"
 
 
+class NotOurs(SetupError):
+    """The state names a swap area or device that is not shown to be this chain's."""
+
+
 # nbdfuse has no mlock option, and mlockall() does not survive execve(). A page of nbdfuse
 # swapped out onto the very device it serves deadlocks the swap-in. This preload library
 # locks nbdfuse from its first instruction (ONFAULT: only pages it touches, so thread stacks
@@ -154,6 +158,47 @@ def loop_is_ours(state: RunState) -> bool:
     return backing.removesuffix(" (deleted)") == state.fuse_file
 
 
+def _nbd_connected(state: RunState) -> bool:
+    return bool(state.mode == "nbd" and state.nbd_device and os.path.exists(
+        f"/sys/block/{os.path.basename(state.nbd_device)}/pid"))
+
+
+def nbd_is_ours(state: RunState) -> bool:
+    """The nbd device is connected by an nbd-client of this chain: the process the kernel
+    names in /sys/block/nbdN/pid is nbd-client with our socket on its command line. (With
+    netlink nbd-client exits after connecting, and then this cannot be shown.)"""
+    name = os.path.basename(state.nbd_device or "")
+    try:
+        with open(f"/sys/block/{name}/pid", encoding="ascii") as f:
+            pid = int(f.read().strip())
+    except (OSError, ValueError):
+        return False
+    return procs.ours_alive(pid, state.tool("nbd-client"), state.nbd_socket)
+
+
+def foreign_device(state: RunState, served: str | None = None, *,
+                   trusted: bool = False) -> str | None:
+    """Why ``state.device`` is not shown to be this chain's device, or None when it is.
+
+    teardown swaps off and detaches what the state names, and state.json is a file that
+    anyone who can write the run directory can edit: it must not make root swap off or
+    disconnect another swap area. The device is ours when the server says it serves it
+    (``served``: the guard `up` armed once, from the server's memory), or else when the
+    kernel ties it to this chain: a loop device whose backing file is our FUSE file, an nbd
+    device whose nbd-client connects to our socket. ``trusted``: the state is this
+    process's own (up's rollback), not read from a file."""
+    dev = state.device
+    if dev is None or trusted:
+        return None
+    if served is not None:
+        return None if dev == served else f"the server serves {served}, not {dev}"
+    if dev == state.loop_device and loop_is_ours(state):
+        return None
+    if dev == state.nbd_device and nbd_is_ours(state):
+        return None
+    return f"nothing shows that {dev} is this run directory's device"
+
+
 def compile_mlock_shim(lib: str, cflags: tuple[str, ...] = ()) -> str:
     """Compile the mlockall preload library to ``lib`` (``python -m agentzip_blk.host.chain
     LIB``: setup.sh, tools/build-deb.sh). DeviceError without a C compiler or on failure."""
@@ -226,11 +271,27 @@ def stop_server(state: RunState, timeout: float) -> None:
 
 
 def teardown(state: RunState, timeout: float = 30.0,
-              swapoff_timeout: float | None = None) -> None:
+              swapoff_timeout: float | None = None, *, served: str | None = None,
+              trusted: bool = False) -> None:
     """Undo whatever ``state`` records, in the safe order. Raises on the first failure
     that makes continuing unsafe (swap still on, loop still attached). swapoff brings every
-    page back in, which can take long: by default it may take an hour."""
+    page back in, which can take long: by default it may take an hour. A swap area or nbd
+    device is touched only when it is shown to be ours (``foreign_device``: ``served`` is
+    the device the server said it serves; ``trusted`` for up's own in-memory state)."""
     errors: list[str] = []
+
+    # 0. another chain's swap area or nbd device: refused before anything changes
+    named, why = state.device, None
+    if procfs.swap_area(state.device) is not None:
+        why = foreign_device(state, served, trusted=trusted)
+    if why is None and not trusted and _nbd_connected(state):
+        named = state.nbd_device
+        if named != served and not nbd_is_ours(state):
+            why = f"nothing shows that {named} is this run directory's device"
+    if why is not None:
+        raise NotOurs(f"{state.path} names {named}, but {why}: refusing to swap it off "
+                          f"or disconnect it (if it is this run directory's, do that by "
+                          f"hand, then remove {state.path})")
 
     # 1. swapoff
     if procfs.swap_area(state.device) is not None:
@@ -245,7 +306,7 @@ def teardown(state: RunState, timeout: float = 30.0,
 
     # 2. detach the block device
     if state.mode == "nbd" and state.nbd_device:
-        if os.path.exists(f"/sys/block/{os.path.basename(state.nbd_device)}/pid"):
+        if _nbd_connected(state):
             run_tool([resolve_tool("nbd-client", state.tools), "-d", state.nbd_device],
                  timeout=timeout, what=f"nbd-client -d {state.nbd_device}")
         state.nbd_device = None
@@ -414,14 +475,20 @@ def check_up_preconditions(*, allow_zswap: bool = False, plugin: str | None = No
                          "or pass --allow-zswap")
 
 
-def write_effective_config(config, run_dir: str) -> str:
+def write_effective_config(config, run_dir: str) -> tuple[str, str]:
+    """RUN/config.yaml, the config the server starts on, and the SHA-256 of its bytes: the
+    server reads that file alone (no drop-ins) and only with that digest, since others may
+    write the run directory (config.load_file)."""
     import yaml
 
+    from ..config import config_digest
+
     path = os.path.join(run_dir, "config.yaml")
-    with open_private(path) as f:
-        f.write("# the config this server was started with (written by agentzip-blk up)\n")
-        yaml.safe_dump(config.to_dict(), f, sort_keys=False)
-    return path
+    data = ("# the config this server was started with (written by agentzip-blk up)\n" +
+            yaml.safe_dump(config.to_dict(), sort_keys=False)).encode("utf-8")
+    with open_private(path, "wb") as f:
+        f.write(data)
+    return path, config_digest(data)
 
 
 def server_request(state: RunState, cmd: str, timeout: float, **args) -> dict:
@@ -441,9 +508,11 @@ def up_steps(state: RunState, timeout: float, fail_after: str | None) -> None:
     # 1. nbdkit, detached in its own session, memory locked
     nbdkit = resolve_tool("nbdkit", tools)
     pidfile = os.path.join(run_dir, "nbdkit.pid")
+    # The FUSE front door serves the kernel itself: no NBD client is ever let in (below)
     argv = server_command(state.plugin, state.nbd_socket, state.control_socket, pidfile,
                           state.config_path, state.size, foreground=True, nbdkit=nbdkit,
-                          mlock=state.mlock)
+                          mlock=state.mlock, config_sha256=state.config_sha256,
+                          nbd_clients=state.frontend != "fuse")
     if state.frontend == "fuse":
         argv += _fuse_frontend_keys(state)
     log = os.path.join(run_dir, "nbdkit.log")
@@ -457,6 +526,11 @@ def up_steps(state: RunState, timeout: float, fail_after: str | None) -> None:
     _private_socket(state.nbd_socket)
     if state.control_socket:
         server_request(state, "health", timeout)  # serving, not only listening
+    if state.frontend == "fuse":
+        # nbdkit must listen somewhere; with the FUSE door nobody needs it, and its ip filter
+        # already turns every peer away (deny=all). Removed, nobody can reach it at all.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(state.nbd_socket)
     # best effort: needs CAP_SYS_RESOURCE (missing in some containers)
     state.oom_protected = procs.set_oom_score_adj(proc.pid, -1000)
     state.save()

@@ -395,7 +395,8 @@ def _server(f: Facts) -> Iterator[Check]:
     else:
         yield Check("server memory", FAIL, "nbdkit memory NOT locked: a server page swapped onto its "
                     "own device deadlocks the swap-in",
-                    "run up as root without --no-mlock; check `ulimit -l` (RLIMIT_MEMLOCK)")
+                    "raise RLIMIT_MEMLOCK (LimitMEMLOCK=infinity in the unit, `ulimit -l "
+                    "unlimited`) or keep CAP_IPC_LOCK, then down and up")
 
 
 def _request_path(f: Facts) -> Iterator[Check]:

@@ -41,7 +41,9 @@ def status(run_dir: str | None = None, *, config=None,
         alive = ours_alive(state.nbdkit_pid, state.tool("nbdkit"), state.nbd_socket)
         out["server"] = {"pid": state.nbdkit_pid, "alive": alive,
                          "rss": procfs.process_rss(state.nbdkit_pid) if alive else 0,
-                         "socket": state.nbd_socket, "control": state.control_socket,
+                         # the FUSE door serves without NBD: no socket (chain.up_steps)
+                         "socket": None if state.frontend == "fuse" else state.nbd_socket,
+                         "control": state.control_socket,
                          "plugin": state.plugin, "size": state.size,
                          "started": state.started}
         if state.mode == "fuse" and state.frontend == "nbdfuse":
@@ -80,6 +82,13 @@ def status(run_dir: str | None = None, *, config=None,
             if out["health"]["nbdkit"].get("responsive") and running != __version__:
                 warnings.append(version_warning(running, out["server"]["started"]))
         out["server"]["oom_protected"] = state.oom_protected
+        srv = (out["health"] or {}).get("nbdkit") or {}
+        if srv.get("memory_locked") is False:
+            warnings.append(f"the server's memory is not locked (mlockall: "
+                            f"{srv.get('memory_lock_error')}): a server page swapped onto its "
+                            "own device deadlocks every swap-in; raise RLIMIT_MEMLOCK "
+                            "(LimitMEMLOCK=infinity in the unit, `ulimit -l unlimited`) and "
+                            "run down and up")
         if alive and not state.oom_protected:
             warnings.append("could not set oom_score_adj -1000 on the server (needs "
                             "CAP_SYS_RESOURCE): the OOM killer may pick it")
@@ -139,6 +148,8 @@ def health(state: RunState, timeout: float = HEALTH_TIMEOUT) -> dict:
                 # the code the server runs; None from a server older than the key
                 srv["version"] = reply.get("version")
                 srv["started"] = reply.get("started")
+                srv["memory_locked"] = reply.get("memory_locked")  # None: an older server
+                srv["memory_lock_error"] = reply.get("memory_lock_error")
             except control.ControlError as exc:
                 problems.append(f"nbdkit (pid {state.nbdkit_pid}) does not answer health "
                                 f"within {timeout:g}s: {exc}")

@@ -61,6 +61,7 @@ class RunState:
     nbd_socket: str
     control_socket: str | None = None
     config_path: str | None = None
+    config_sha256: str | None = None  # of config_path as `up` wrote it (its server checks it)
     size: int = 0
     swap_priority: int = DEFAULT_PRIORITY
     mode: str = "fuse"              # "fuse" (loop over a FUSE file) or "nbd" (kernel nbd)

@@ -59,16 +59,23 @@ def is_python_plugin(plugin: str) -> bool:
     return plugin.endswith(".py")
 
 
-def peer_filter_args(uid: int | None = None) -> tuple[list[str], list[str]]:
+def peer_filter_args(uid: int | None = None, *,
+                     nbd_clients: bool = True) -> tuple[list[str], list[str]]:
     """(options before the plugin, keys after it) for nbdkit's ip filter: only ``uid``
-    (default: ours, root in production) may connect to the NBD socket."""
+    (default: ours, root in production) may connect to the NBD socket. ``nbd_clients``
+    False (the FUSE front door, which serves the kernel without NBD): nobody may, root
+    included: nbdkit must listen somewhere, but that socket would hand every page to any
+    uid-0 process that reaches the run directory (a container that mounts it)."""
     uid = os.geteuid() if uid is None else uid
+    if not nbd_clients:
+        return ["--filter=ip"], ["deny=all"]
     return ["--filter=ip"], [f"allow=uid:{int(uid)}", "deny=all"]
 
 
 def nbdkit_command(plugin_path: str, nbd_socket: str, control_socket: str | None, pidfile: str,
                    config_path: str | None = None, size: int | None = None,
-                   foreground: bool = True, *, nbdkit: str = "nbdkit") -> list[str]:
+                   foreground: bool = True, *, nbdkit: str = "nbdkit",
+                   config_sha256: str | None = None, nbd_clients: bool = True) -> list[str]:
     """argv for nbdkit serving the agentzip Python plugin on a unix socket.
 
     No ``--swap`` here: the plugin calls mlockall(MCL_ONFAULT) itself.
@@ -78,11 +85,13 @@ def nbdkit_command(plugin_path: str, nbd_socket: str, control_socket: str | None
     cmd = [nbdkit]
     if foreground:
         cmd.append("-f")
-    filter_opts, filter_keys = peer_filter_args()
+    filter_opts, filter_keys = peer_filter_args(nbd_clients=nbd_clients)
     cmd += ["-U", os.path.abspath(nbd_socket), "-P", os.path.abspath(pidfile), *filter_opts,
             "python", os.path.abspath(plugin_path), *filter_keys]
     if config_path:
         cmd.append(f"config={os.path.abspath(config_path)}")
+        if config_sha256:  # that file alone, and only with these bytes (datapath.server)
+            cmd.append(f"config_sha256={config_sha256}")
     if size is not None:
         cmd.append(f"size={int(size)}")
     if control_socket:
@@ -93,11 +102,13 @@ def nbdkit_command(plugin_path: str, nbd_socket: str, control_socket: str | None
 def server_command(plugin: str, nbd_socket: str, control_socket: str | None, pidfile: str,
                    config_path: str | None = None, size: int | None = None,
                    foreground: bool = True, *, mlock: bool = True,
-                   nbdkit: str = "nbdkit") -> list[str]:
+                   nbdkit: str = "nbdkit", config_sha256: str | None = None,
+                   nbd_clients: bool = True) -> list[str]:
     """nbdkit argv for ``plugin``: a .py path (the agentzip plugin) or a plugin name."""
     if is_python_plugin(plugin):
         return nbdkit_command(plugin, nbd_socket, control_socket, pidfile, config_path, size,
-                              foreground, nbdkit=nbdkit)
+                              foreground, nbdkit=nbdkit, config_sha256=config_sha256,
+                              nbd_clients=nbd_clients)
     cmd = [nbdkit]
     if mlock:
         cmd.append("--swap")

@@ -2,13 +2,14 @@
 for per-cgroup accounting, and `check`, the cross-check of every book (for tests).
 
 Memory is counted as the kernel counts it: the big preallocated tables cost the pages
-actually touched, not their mappings. The caller holds the store lock.
+actually touched, not their mappings. The caller holds the store lock, except for `stats`,
+which takes it for what it copies and counts after.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -44,28 +45,89 @@ def meta_parts(store: PageStore) -> dict[str, int]:
 
 
 def stored_mem(store: PageStore, meta_bytes: int) -> int:
-    return store.pool.resident_bytes + meta_bytes + store.objects.cache_bytes()
+    """Pool pages touched, metadata, and the decoded copies held (ours, and the native
+    path's frame cache: PageStore.outside)."""
+    outside = store.outside().get("frame_cache_bytes", 0)
+    return store.pool.resident_bytes + meta_bytes + store.objects.cache_bytes() + outside
 
 
-def stats(store: PageStore) -> dict:
-    page = store.page_size
-    objects, blobs, slots = store.objects, store.blobs, store.slots
-    codec_pages = objects.codec_pages
-    blob_pages = int(codec_pages.sum())
-    pages = slots.same_pages + blob_pages
-    orig = pages * page
-    meta = meta_parts(store)
-    meta_bytes = sum(meta.values())
-    stored = stored_mem(store, meta_bytes)
+@dataclass
+class _Frozen:
+    """What `stats` counts, copied under the store lock: the slots holding blobs and the
+    blob table's rows in use. The sums and the sort of the counts then run without the lock
+    (a scan held it ~40 ms per 64Ki pages stored, which every request waited out)."""
+    held: np.ndarray  # slots holding a blob
+    slot_blobs: np.ndarray  # their blobs
+    subs: np.ndarray  # their page in the blob
+    returned: np.ndarray  # read back and not written since
+    live: np.ndarray  # the blob rows in use (the rest: copies of rows [:rows])
+    tier: np.ndarray
+    length: np.ndarray
+    pages: np.ndarray
+    form: np.ndarray
+    atime: np.ndarray
+    rtime: np.ndarray
+    ref: np.ndarray
+    now: int
+    hot: np.ndarray  # blobs in the hot cache
+
+
+def _freeze(store: PageStore) -> _Frozen:
+    slots, blobs = store.slots, store.blobs
     held = slots.blob_slots()
-    slot_blobs = slots.handle[held].astype(np.int64)
-    pages_held = _pages_held(store, slot_blobs, slots.sub[held])
-    tier_pages = np.bincount(blobs.tier[slot_blobs], minlength=2)
-    live = blobs.live()
-    lengths = blobs.length.astype(np.int64)
-    disk_stored = int(lengths[live & (blobs.tier == DISK)].sum())
-    disk = store.disk
-    tiers = store.tiers
+    rows = blobs.rows
+    return _Frozen(
+        held=held, slot_blobs=slots.handle[held].astype(np.int64), subs=slots.sub[held],
+        returned=slots.rtime[held] != 0, live=blobs.ref[:rows] > 0,
+        tier=blobs.tier[:rows].copy(), length=blobs.length[:rows].astype(np.int64),
+        pages=blobs.pages[:rows].copy(), form=blobs.form[:rows].copy(),
+        atime=blobs.atime[:rows].astype(np.int64), rtime=blobs.rtime[:rows].copy(),
+        ref=blobs.ref[:rows].copy(), now=store.now(),
+        hot=np.array(store.hot.keys(), dtype=np.int64))
+
+
+def stats(store: PageStore, lock) -> dict:
+    """Every figure of the `stats` verb: what must agree is read under `lock` (the store's),
+    the counting is done after it."""
+    page = store.page_size
+    with lock:
+        frozen = _freeze(store)
+        codec_pages = store.objects.codec_pages.copy()
+        same_pages = store.slots.same_pages
+        meta = meta_parts(store)
+        meta_bytes = sum(meta.values())
+        stored = stored_mem(store, meta_bytes)
+        dictionaries = store.dicts.stats(store.blobs, frozen.slot_blobs, page)
+        pool, disk, tiers = store.pool, store.disk, store.tiers
+        figures = {
+            "unique_blobs": store.blobs.count,
+            "dedup_unindexed": store.index.unindexed,  # pages left out of the index (dedup.py)
+            "pool_bytes": pool.allocated_bytes,
+            "pool_resident_bytes": pool.resident_bytes,
+            "pool_live_bytes": pool.live_bytes,
+            "pool_arenas": pool.arena_count,
+            "fragmentation": round(tiers.fragmentation(), 4),
+            "hot_cache_bytes": (store.objects.cache_bytes()
+                                + store.outside().get("frame_cache_bytes", 0)),
+            "max_size": pool.max_size,
+            "reclaim_bytes": tiers.reclaim_bytes,
+            "disk_mem": disk.file_size if disk else 0,
+        }
+        disk_figures = {"file_bytes": disk.file_size if disk else 0,
+                        "reads": disk.reads if disk else 0,
+                        "writes": disk.writes if disk else 0}
+        counters = _counters(store)
+        recompressor = store.recompressor
+        recompress = {"recompressed_pages_total": store.counters.recompressed_pages,
+                      "recompress_cpu_seconds_total": round(recompressor.cpu_seconds, 6),
+                      "recompress_raced": recompressor.raced}
+    blob_pages = int(codec_pages.sum())
+    pages = same_pages + blob_pages
+    orig = pages * page
+    pages_held = _pages_held(frozen)
+    tier_pages = np.bincount(frozen.tier[frozen.slot_blobs], minlength=2)
+    live, lengths = frozen.live, frozen.length
+    disk_stored = int(lengths[live & (frozen.tier == DISK)].sum())
     return {
         "size": store.size,
         "slots": store.nslots,
@@ -75,84 +137,81 @@ def stats(store: PageStore) -> dict:
         "stored_mem": stored,
         "ratio": round(orig / stored, 4) if stored else 0.0,
         "pages": pages,
-        "same_pages": slots.same_pages,
+        "same_pages": same_pages,
         "raw_pages": int(codec_pages[codecs.RAW]),
         "compressed_pages": blob_pages - int(codec_pages[codecs.RAW]),
         "shared_pages": pages_held["shared"],
-        "unique_blobs": blobs.count,
+        "unique_blobs": figures.pop("unique_blobs"),
         "dedup_saved_pages": blob_pages - pages_held["distinct"],
         "dedup": store.placer.dedup,
-        "dedup_unindexed": store.index.unindexed,  # pages left out of the index (dedup.py)
+        "dedup_unindexed": figures.pop("dedup_unindexed"),
         # frames: "unit" is their name in the stats interface (docs/JSON.md)
         "unit_pages": store.frame_pages,
-        "units": int(np.count_nonzero(live & (blobs.pages > 1))),
+        "units": int(np.count_nonzero(live & (frozen.pages > 1))),
         "unit_dead_pages": pages_held["dead"],
         "codec_pages": {
             name: int(codec_pages[cid])
             for cid, name in codecs.CODEC_NAMES.items()
             if codec_pages[cid]
         },
-        "dictionaries": store.dicts.stats(blobs, slot_blobs, page),
-        "pool_bytes": store.pool.allocated_bytes,
-        "pool_resident_bytes": store.pool.resident_bytes,
-        "pool_live_bytes": store.pool.live_bytes,
-        "pool_arenas": store.pool.arena_count,
-        "fragmentation": round(tiers.fragmentation(), 4),
+        "dictionaries": dictionaries,
+        **{k: figures[k] for k in ("pool_bytes", "pool_resident_bytes", "pool_live_bytes",
+                                   "pool_arenas", "fragmentation")},
         "compressed_bytes": int(lengths[live].sum()),
         "meta_bytes": meta_bytes,
         "meta": meta,
-        "hot_cache_bytes": objects.cache_bytes(),
-        "max_size": store.pool.max_size,
-        "reclaim_bytes": tiers.reclaim_bytes,
-        "disk_mem": disk.file_size if disk else 0,
+        **{k: figures[k] for k in ("hot_cache_bytes", "max_size", "reclaim_bytes", "disk_mem")},
         "tiers": {
             "pool": {
-                "pages": int(tier_pages[POOL]) + slots.same_pages,
-                "orig_bytes": (int(tier_pages[POOL]) + slots.same_pages) * page,
+                "pages": int(tier_pages[POOL]) + same_pages,
+                "orig_bytes": (int(tier_pages[POOL]) + same_pages) * page,
                 "stored_bytes": stored,
             },
             "disk": {
                 "pages": int(tier_pages[DISK]),
                 "orig_bytes": int(tier_pages[DISK]) * page,
                 "stored_bytes": disk_stored,
-                "file_bytes": disk.file_size if disk else 0,
-                "reads": disk.reads if disk else 0,
-                "writes": disk.writes if disk else 0,
+                **disk_figures,
             },
         },
-        "temperature": _temperature(store, slot_blobs),
-        **_forms(store, held, slot_blobs, live, lengths),
-        **_counters(store),
+        "temperature": _temperature(store, frozen),
+        **_forms(store, frozen, same_pages),
+        **recompress,
+        **counters,
     }
 
 
 def _counters(store: PageStore) -> dict:
-    """The request counters, with the reads another request path served from the same
+    """The request counters, with the requests another request path served from the same
     tables (the native path: PageStore.outside)."""
     counters = asdict(store.counters)
     outside = store.outside()
-    counters["reads"] += outside.get("reads", 0)
-    counters["bytes_read"] += outside.get("bytes_read", 0)
+    for key in OUTSIDE_COUNTERS:
+        counters[key] += outside.get(key, 0)
     return counters
 
 
-def _forms(store: PageStore, held: np.ndarray, slot_blobs: np.ndarray, live: np.ndarray,
-           lengths: np.ndarray) -> dict:
-    """Pages and stored bytes of each form (docs/JSON.md), from the slots holding blobs
-    (`held`, their blobs `slot_blobs`): warm (alone, fast codec) and cold
-    (dense) in the pool, on disk, same-filled; they add up to `pages`. Stored bytes are the
-    blobs' compressed lengths (a shared blob once)."""
-    blobs, page = store.blobs, store.page_size
-    in_pool = blobs.tier[slot_blobs] == POOL
-    warm_slot = blobs.form[slot_blobs] == WARM
+# what a request path outside Python counts of the store's request counters (objects.Counters)
+OUTSIDE_COUNTERS = ("reads", "bytes_read", "writes", "bytes_written", "dedup_hits",
+                    "dedup_compares", "hash_collisions", "pingpong")
+
+
+def _forms(store: PageStore, f: _Frozen, same_pages: int) -> dict:
+    """Pages and stored bytes of each form (docs/JSON.md), from the slots holding blobs:
+    warm (alone, fast codec) and cold (dense) in the pool, on disk, same-filled; they add
+    up to `pages`. Stored bytes are the blobs' compressed lengths (a shared blob once)."""
+    page = store.page_size
+    in_pool = f.tier[f.slot_blobs] == POOL
+    warm_slot = f.form[f.slot_blobs] == WARM
     warm_pages = int(np.count_nonzero(in_pool & warm_slot))
     pool_pages = int(np.count_nonzero(in_pool))
-    pool_blobs = live & (blobs.tier == POOL)
-    warm_stored = int(lengths[pool_blobs & (blobs.form == WARM)].sum())
-    cold_stored = int(lengths[pool_blobs & (blobs.form != WARM)].sum())
+    pool_blobs = f.live & (f.tier == POOL)
+    warm_stored = int(f.length[pool_blobs & (f.form == WARM)].sum())
+    cold_stored = int(f.length[pool_blobs & (f.form != WARM)].sum())
     cold_pages = pool_pages - warm_pages
-    returned = store.slots.rtime[held] != 0
-    recompressor = store.recompressor
+    # the recompressor's backlog (Recompressor.backlog), from the same copy
+    due = pool_blobs & (f.form == WARM) & ((f.now - f.atime >= store.cold_ticks) | (f.rtime > 0))
+    backlog = int(f.ref[due].astype(np.int64).sum()) if store.recompressor.enabled else 0
     return {
         "warm_pages": warm_pages,
         "warm_stored": warm_stored,
@@ -160,46 +219,42 @@ def _forms(store: PageStore, held: np.ndarray, slot_blobs: np.ndarray, live: np.
         "cold_pages": cold_pages,
         "cold_stored": cold_stored,
         "cold_ratio": round(cold_pages * page / cold_stored, 4) if cold_stored else 0.0,
-        "pool_pages": pool_pages + store.slots.same_pages,
-        "disk_pages": len(slot_blobs) - pool_pages,
+        "pool_pages": pool_pages + same_pages,
+        "disk_pages": len(f.slot_blobs) - pool_pages,
         # read back and not written since: the kernel may still need them (swap cache, a
         # clean eviction) or may have freed their slots without telling the device
-        "returned_pages": int(np.count_nonzero(returned)),
+        "returned_pages": int(np.count_nonzero(f.returned)),
         # of those, the ones still in memory (policy.returned_to_disk moves them out)
-        "returned_pool_pages": int(np.count_nonzero(returned & in_pool)),
-        "recompress_backlog": recompressor.backlog(),
-        "recompressed_pages_total": store.counters.recompressed_pages,
-        "recompress_cpu_seconds_total": round(recompressor.cpu_seconds, 6),
-        "recompress_raced": recompressor.raced,
+        "returned_pool_pages": int(np.count_nonzero(f.returned & in_pool)),
+        "recompress_backlog": backlog,
     }
 
 
-def _pages_held(store: PageStore, slot_blobs: np.ndarray, subs: np.ndarray) -> dict:
+def _pages_held(f: _Frozen) -> dict:
     """Distinct stored pages the slots use, slots sharing one with another slot, and
     pages of live frames no slot uses any more (overwritten or trimmed: memory a frame
     holds until its last page goes)."""
-    pairs = slot_blobs << SUB_BITS | subs.astype(np.int64)
+    pairs = f.slot_blobs << SUB_BITS | f.subs.astype(np.int64)
     distinct, counts = np.unique(pairs, return_counts=True)
-    live = store.blobs.live()
-    stored = int(store.blobs.pages[live].astype(np.int64).sum())
+    stored = int(f.pages[f.live].astype(np.int64).sum())
     return {"distinct": len(distinct), "shared": int(counts[counts > 1].sum()),
             "dead": stored - len(distinct)}
 
 
-def _temperature(store: PageStore, slot_blobs: np.ndarray) -> dict:
+def _temperature(store: PageStore, f: _Frozen) -> dict:
     """Pages by temperature: hot (in the hot cache), warm (accessed within
     warm_threshold_ms), cold (untouched for cold_grace_period), idle (in between)."""
-    if not len(slot_blobs):
+    if not len(f.slot_blobs):
         return {"hot": 0, "warm": 0, "idle": 0, "cold": 0}
-    age = store.now() - store.blobs.atime[slot_blobs].astype(np.int64)
-    in_cache = np.isin(slot_blobs, np.array(store.hot.keys(), dtype=np.int64))
+    age = f.now - f.atime[f.slot_blobs]
+    in_cache = np.isin(f.slot_blobs, f.hot)
     warm = ~in_cache & (age <= store.warm_ticks)
     cold = ~in_cache & (age >= store.cold_ticks)
     hot = int(in_cache.sum())
     return {
         "hot": hot,
         "warm": int(warm.sum()),
-        "idle": len(slot_blobs) - hot - int(warm.sum()) - int(cold.sum()),
+        "idle": len(f.slot_blobs) - hot - int(warm.sum()) - int(cold.sum()),
         "cold": int(cold.sum()),
     }
 

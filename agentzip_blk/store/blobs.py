@@ -55,6 +55,12 @@ GROW_AHEAD = 0.75  # the maintainer doubles the table once this share of its row
 # burst are free (~100 B each: 16 members of 4 B and the columns).
 TAIL_RELEASE_ROWS = 4096
 
+# The table's scalars, in one int64 array (`state`) rather than attributes: the native
+# request path (datapath/nativeloop.c) hands out and frees rows too, through the same
+# numbers. FREE_HEAD: the first free row (-1: none); NEXT_UNUSED: rows ever handed out;
+# COUNT: rows in use.
+FREE_HEAD, NEXT_UNUSED, COUNT = 0, 1, 2
+
 
 class BlobTable:
     def __init__(self, capacity: int = 1024, frame_pages: int = 1) -> None:
@@ -66,10 +72,35 @@ class BlobTable:
         for name, dtype in _COLUMNS.items():
             setattr(self, name, np.zeros(0, dtype=dtype))
         self.members = np.zeros((0, frame_pages), dtype=np.uint32)
+        self.state = np.zeros(3, dtype=np.int64)
+        self._state = memoryview(self.state)  # item access yields a Python int, fast
+        self._state[FREE_HEAD] = -1
         self._grow(capacity)
-        self._free_head = -1
-        self._next_unused = 0
-        self.count = 0  # rows in use
+
+    @property
+    def count(self) -> int:
+        """Rows in use."""
+        return self._state[COUNT]
+
+    @count.setter
+    def count(self, value: int) -> None:
+        self._state[COUNT] = value
+
+    @property
+    def _free_head(self) -> int:
+        return self._state[FREE_HEAD]
+
+    @_free_head.setter
+    def _free_head(self, value: int) -> None:
+        self._state[FREE_HEAD] = value
+
+    @property
+    def _next_unused(self) -> int:
+        return self._state[NEXT_UNUSED]
+
+    @_next_unused.setter
+    def _next_unused(self, value: int) -> None:
+        self._state[NEXT_UNUSED] = value
 
     @property
     def used_bytes(self) -> int:

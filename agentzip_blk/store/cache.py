@@ -1,4 +1,9 @@
-"""A bounded LRU of uncompressed copies of blobs, keyed by blob id.
+"""A bounded LRU of uncompressed copies of blobs, keyed by blob id and row generation.
+
+The generation (`blobs.gen`, bumped whenever a row is freed) is part of the key: the native
+request path frees blobs without telling these caches, so a copy of a freed blob must never
+answer for a new blob in its reused row. Such a copy is simply never found again, and goes
+with the least recently used.
 
 Two uses: hot pages (only pages read twice within `policy.hot_threshold_ms` get in, so a
 one-pass swap-in does not churn it), and the last few decompressed multi-page frames (a
@@ -20,33 +25,34 @@ ENTRY_OVERHEAD = 160  # bytes object header + OrderedDict node + key int
 class HotCache:
     def __init__(self, capacity_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.capacity_bytes = capacity_bytes
-        self._entries: OrderedDict[int, bytes] = OrderedDict()
+        self._entries: OrderedDict[int, tuple[int, bytes]] = OrderedDict()
         self._used: dict[int, float] = {}  # last get or put, by blob
         self._bytes = 0  # held, entry overheads included
         self._clock = clock
 
-    def get(self, blob: int) -> bytes | None:
-        data = self._entries.get(blob)
-        if data is not None:
-            self._entries.move_to_end(blob)
-            self._used[blob] = self._clock()
-        return data
+    def get(self, blob: int, gen: int) -> bytes | None:
+        entry = self._entries.get(blob)
+        if entry is None or entry[0] != gen:
+            return None
+        self._entries.move_to_end(blob)
+        self._used[blob] = self._clock()
+        return entry[1]
 
-    def put(self, blob: int, data: bytes) -> None:
+    def put(self, blob: int, gen: int, data: bytes) -> None:
         cost = len(data) + ENTRY_OVERHEAD
         if cost > self.capacity_bytes:
             return
         self.discard(blob)
-        self._entries[blob] = data
+        self._entries[blob] = (gen, data)
         self._used[blob] = self._clock()
         self._bytes += cost
         while self._bytes > self.capacity_bytes:
             self.discard(next(iter(self._entries)))
 
     def discard(self, blob: int) -> None:
-        data = self._entries.pop(blob, None)
-        if data is not None:
-            self._bytes -= len(data) + ENTRY_OVERHEAD
+        entry = self._entries.pop(blob, None)
+        if entry is not None:
+            self._bytes -= len(entry[1]) + ENTRY_OVERHEAD
             del self._used[blob]
 
     def drop_idle(self, max_age: float) -> int:

@@ -57,6 +57,9 @@ _TOMBSTONE_SHARE = 0.2  # or sweeps one with this many deleted positions
 # swap-out burst does not outrun a maintainer that cannot resize in the middle of a request
 _MIN_CAPACITY = 4096
 _MASK64 = (1 << 64) - 1
+# The index's scalars, in one int64 array (`state`): the native request path inserts and
+# removes entries too (datapath/nativeloop.c), through the same numbers.
+COUNT, TOMBSTONES, UNINDEXED, STARVED = 0, 1, 2, 3
 
 HashFn = Callable[[memoryview], tuple[int, int]]
 
@@ -71,6 +74,11 @@ class PageHasher:
 
     def __init__(self, seed: int | None = None) -> None:
         self._seed = int.from_bytes(os.urandom(8), "little") if seed is None else seed
+
+    @property
+    def seed(self) -> int:
+        """For the native request path, which hashes the same way (datapath/nativestore.c)."""
+        return self._seed
 
     def __call__(self, page) -> tuple[int, int]:
         """The page's keyed 128-bit hash as (low, high) 64-bit halves."""
@@ -112,18 +120,52 @@ class DedupIndex:
                  key_of: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
         # disabled (compression.dedup: off): nothing is indexed, every entry is `unindexed`
         self.enabled = enabled
-        self.unindexed = 0  # entries refused (cap, probe limit, disabled, full) and still live
+        self.state = np.zeros(4, dtype=np.int64)
+        self._state = memoryview(self.state)
+        # runs when the arrays are replaced (a resize): the native path reads them by address
+        self.on_moved: Callable[[], None] = lambda: None
         # the full 32-bit keys of index values (the blob table's `members`): what a resize
         # re-places entries by; None: the table never resizes
         self.key_of = key_of
         self.inline_growth = True
         self.wake: Callable[[], None] = lambda: None
-        self.count = 0
-        self._tombstones = 0
-        # the write path left entries out for want of room since the last resize: the
-        # maintainer did not keep up with a burst, so the next growth leaves twice the room
-        self._starved = False
         self._set(*self._arrays(max(16, capacity)))
+
+    @property
+    def count(self) -> int:
+        """Entries in the table."""
+        return self._state[COUNT]
+
+    @count.setter
+    def count(self, value: int) -> None:
+        self._state[COUNT] = value
+
+    @property
+    def unindexed(self) -> int:
+        """Entries refused (cap, probe limit, disabled, full) and still live."""
+        return self._state[UNINDEXED]
+
+    @unindexed.setter
+    def unindexed(self, value: int) -> None:
+        self._state[UNINDEXED] = value
+
+    @property
+    def _tombstones(self) -> int:
+        return self._state[TOMBSTONES]
+
+    @_tombstones.setter
+    def _tombstones(self, value: int) -> None:
+        self._state[TOMBSTONES] = value
+
+    @property
+    def _starved(self) -> bool:
+        """The write path left entries out for want of room since the last resize: the
+        maintainer did not keep up with a burst, so the next growth leaves twice the room."""
+        return bool(self._state[STARVED])
+
+    @_starved.setter
+    def _starved(self, value: bool) -> None:
+        self._state[STARVED] = int(value)
 
     @staticmethod
     def _arrays(capacity: int) -> tuple[np.ndarray, np.ndarray]:
@@ -135,6 +177,7 @@ class DedupIndex:
         # the numpy array a numpy scalar (~100 ns), and a probe is a Python loop.
         self._fpv, self._valv = memoryview(fps), memoryview(vals)
         self._cap = len(fps)
+        self.on_moved()
 
     @property
     def capacity(self) -> int:

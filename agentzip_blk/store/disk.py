@@ -17,7 +17,11 @@ AES-GCM over ChaCha20-Poly1305 by measurement (AES-NI here: 23 us against 41 us 
 call with python3-cryptography 38, tools/bench_integrity.py).
 
 The file is opened with O_NOFOLLOW and must be a regular file of ours with mode 0600 and one
-link: a path planted by someone else is refused (DiskError), never truncated.
+link: a path planted by someone else is refused (DiskError), never truncated. It starts with
+a header (TIER_MAGIC, one ALLOC_STEP long; extents follow it): an existing file is truncated
+only when it carries that header, so a file that merely sits at the path with the right
+owner and mode (the operator's, another program's) is refused too, and `down` can tell a
+leftover tier from anything else before it removes one.
 
 The file's page cache would hold a second, uncompressed-on-disk copy of what we just
 demoted, in memory: after each batch of writes the cached pages are written back and
@@ -47,6 +51,9 @@ NONCE_BYTES = 12
 TAG_BYTES = 16
 SEAL_OVERHEAD = NONCE_BYTES + TAG_BYTES  # bytes an encrypted extent holds beyond its blob
 _AAD = struct.Struct("<QIII")  # offset, length, blob id, blob generation
+# The first bytes of every tier file; the header takes one allocation step.
+TIER_MAGIC = b"agentzip disk tier v1\n"
+TIER_HEADER = TIER_MAGIC.ljust(ALLOC_STEP, b"\0")
 
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
@@ -75,14 +82,17 @@ def _fallocate(fd: int, mode: int, offset: int, length: int) -> None:
 
 def open_tier_file(path: str) -> int:
     """The tier file's descriptor: created 0600 if absent; an existing path must be a regular
-    file of this user, mode 0600, with no other link. Never follows a symbolic link, so a
-    link planted at the path cannot make us truncate its target."""
+    file of this user, mode 0600, with no other link, that starts with our header
+    (TIER_MAGIC). Never follows a symbolic link, so a link planted at the path cannot make
+    us truncate its target."""
     flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
     what = "refusing it as the disk tier (pool.swap_out_path): remove it, or set another path"
+    existed = False
     try:
         fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
         os.fchmod(fd, 0o600)  # whatever the umask took away or left
     except FileExistsError:
+        existed = True
         try:
             # O_NONBLOCK: opening a FIFO or a device planted there must not block
             fd = os.open(path, flags | os.O_NONBLOCK)
@@ -102,6 +112,8 @@ def open_tier_file(path: str) -> int:
         problem = f"mode {stat.S_IMODE(st.st_mode):04o}, not 0600"
     elif st.st_nlink != 1:
         problem = f"{st.st_nlink} hard links"
+    elif existed and os.pread(fd, len(TIER_MAGIC), 0) != TIER_MAGIC:
+        problem = "not an agentzip disk tier (no tier header)"
     if problem:
         os.close(fd)
         raise DiskError(f"{path}: {problem}: {what}")
@@ -147,11 +159,12 @@ class DiskTier:
             os.close(self._fd)
             raise DiskError(f"{path} is in use by another agentzip server (pool.swap_out_path)") from None
         os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, TIER_HEADER, 0)
         self._sealer = _Sealer() if encrypt else None
         self.overhead = SEAL_OVERHEAD if encrypt else 0
         self._by_offset: SortedDict = SortedDict()  # offset -> length of free extents
         self._by_size: SortedList = SortedList()  # (length, offset) for best fit
-        self.end = 0  # bytes handed out from the start of the file
+        self.end = len(TIER_HEADER)  # bytes handed out from the start of the file
         self.file_size = 0  # bytes fallocated
         self.live_bytes = 0  # sum of allocated extents
         self.reads = 0

@@ -64,6 +64,9 @@ class Counters:
     # writes that placement.Placer.prepare could not compress early (part already stored)
     frames_compressed_locked: int = 0
     recompressed_pages: int = 0  # warm slots the recompressor switched to the dense form
+    # slots the kernel had freed without telling the device, found free in its swap map and
+    # emptied (PageStore.forget_freed)
+    kernel_freed_pages: int = 0
 
 
 class Decoding:
@@ -238,12 +241,13 @@ class Objects:
 
     def cached(self, blob: int) -> bytes | None:
         """The hot or frame cache's copy of a blob, if either has one."""
-        data = self.hot.get(blob)
+        gen = int(self.blobs.gen[blob])
+        data = self.hot.get(blob, gen)
         if data is not None:
             self.counters.hot_hits += 1
             return data
         if self.blobs.pages[blob] > 1:
-            data = self.frames.get(blob)
+            data = self.frames.get(blob, gen)
             if data is not None:
                 self.counters.unit_hits += 1
                 return data
@@ -264,9 +268,9 @@ class Objects:
         if touch and self.blobs.tier[blob] == DISK:
             self.promote(blob, stored)
         if pages > 1:
-            self.frames.put(blob, data)
+            self.frames.put(blob, int(self.blobs.gen[blob]), data)
         elif is_hot:
-            self.hot.put(blob, data)
+            self.hot.put(blob, int(self.blobs.gen[blob]), data)
         return data
 
     def fetch_or_defer(self, blob: int, is_hot: bool, touch: bool) -> bytes | Deferred:
@@ -336,7 +340,7 @@ class Objects:
         blobs = self.blobs
         if not late.keep or blobs.ref[late.blob] == 0 or int(blobs.gen[late.blob]) != late.gen:
             return
-        (self.frames if late.size > self.page_size else self.hot).put(late.blob, data)
+        (self.frames if late.size > self.page_size else self.hot).put(late.blob, late.gen, data)
 
     def page(self, blob: int, sub: int) -> memoryview | None:
         """Page `sub` of a blob, for a comparison (no access recorded, no promotion); None

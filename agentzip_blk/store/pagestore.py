@@ -40,10 +40,11 @@ from .cache import HotCache
 from .dedup import SUB_BITS, DedupIndex, HashFn
 from .integrity import Corrupt
 from .disk import DiskTier
+from .doorbell import Doorbell
 from .objects import Counters, Deferred, Objects
 from .placement import Placer, Prepared
 from .pool import Pool
-from .slots import BLOB, EMPTY, SAME, TICK_MASK, SlotTable
+from .slots import BLOB, CHUNK_SLOTS, EMPTY, SAME, TICK_MASK, SlotTable
 from .recompress import Recompressor
 from .tiering import DEMOTE_CHUNK, REWRITE_CHUNK, Tiering, Tiers
 
@@ -61,6 +62,7 @@ _FRAME_CACHE_FRAMES = 32
 # s: a frame copy not read for this long is dropped by the maintainer: its readahead burst is
 # over, the kernel holds the pages it read, and the copy would count in stored_mem at rest
 FRAME_CACHE_IDLE = 0.5
+FORGET_CHUNK = 1024  # slots emptied per hold of the store lock by forget_freed
 _SNAPSHOT_READERS_WITHIN = 60.0  # s: the maintainer refreshes cached stats read this recently
 # s: and at most this often. The scan holds the store lock (~40 ms per 64Ki pages stored,
 # BENCHMARKS.md): at most once per 2 s however many scrapes come, instead of once per scrape.
@@ -156,7 +158,9 @@ class PageStore:
         self.outside: Callable[[], dict[str, int]] = dict
         # Runs under the lock when a table the native path reads by address is replaced.
         self.on_tables_moved: Callable[[], None] = lambda: None
-        self.blobs.on_moved = self.pool.on_moved = self._tables_moved
+        # That path's own cache of decoded frames, trimmed with ours (under the lock).
+        self.outside_drop_idle: Callable[[float], None] = lambda seconds: None
+        self.blobs.on_moved = self.pool.on_moved = self.index.on_moved = self._tables_moved
         self._clock = clock
         self._t0 = clock()
         self._tick_base = 0
@@ -176,7 +180,11 @@ class PageStore:
         self.objects.promote = self.tiers.promote
         self.reclaim_bytes = self.tiers.reclaim_bytes
         self.reclaim_target = self.tiers.reclaim_target
-        self.wake: Callable[[], None] = lambda: None  # set by the maintenance worker
+        # rung when the store needs its maintainer now (tiering.Maintainer waits on it)
+        self.doorbell = Doorbell()
+        # A copy of the kernel's swap map of our area, or None (datapath.freed.FreedSlots,
+        # device.swap_map): the maintainer forgets the slots it calls free (forget_freed).
+        self.kernel_map: Callable[[], np.ndarray | None] | None = None
         # Whether the host is short of memory (the server's datapath.pressure.HostPressure):
         # returned copies then go to the disk tier (policy.returned_to_disk: pressure).
         self.pressure: Callable[[], bool] = lambda: False
@@ -214,21 +222,32 @@ class PageStore:
         outside = self.outside().get("in_flight", 0)
         return max(0, self._started_n - self._finished_n) + outside
 
+    def wake(self) -> None:
+        """Ask the maintainer to come now."""
+        self.doorbell.ring()
+
     def _tables_moved(self) -> None:
         self.on_tables_moved()
 
     def columns(self) -> dict[str, np.ndarray]:
-        """Under the lock: the table columns a request path outside Python reads and
-        writes by address (datapath.native): valid until `on_tables_moved` runs."""
-        blobs, pool = self.blobs, self.pool
+        """Under the lock: the books a request path outside Python reads and writes by
+        address (datapath.native), valid until `on_tables_moved` runs. Its rows of `members`
+        are `frame_pages` wide."""
+        slots, blobs, pool, index = self.slots, self.blobs, self.pool, self.index
+        fps, vals = index.arrays()
         return {
-            "kind": self.slots.kind, "handle": self.slots.handle, "slot_rtime": self.slots.rtime,
+            "kind": slots.kind, "handle": slots.handle, "sub": slots.sub,
+            "slot_rtime": slots.rtime, "chunk_live": slots.chunk_live,
+            "chunk_touched": slots.chunk_touched, "chunk_written": slots.chunk_written,
+            "slot_state": slots.state,
             "arena": blobs.arena, "cell": blobs.cell, "tier": blobs.tier,
             "length": blobs.length, "pages": blobs.pages, "codec": blobs.codec,
             "dict_id": blobs.dict_id, "ref": blobs.ref, "atime": blobs.atime,
-            "rtime": blobs.rtime, "csum": blobs.csum,
-            "arena_addr": pool.arena_addr, "arena_class": pool.arena_classes(),
-            "class_cell": pool.class_cell,
+            "rtime": blobs.rtime, "csum": blobs.csum, "gen": blobs.gen, "form": blobs.form,
+            "members": blobs.members, "blob_state": blobs.state,
+            "index_fps": fps, "index_vals": vals, "index_state": index.state,
+            **pool.columns(),
+            "codec_pages": self.objects.codec_pages,
         }
 
     @property
@@ -584,6 +603,44 @@ class PageStore:
                     self.slots.rtime[slot] = (now & TICK_MASK) or 1
                 self._read_blob(out, i, slot, blob, is_hot, touch, late)
 
+    # -- what the kernel freed without telling us -----------------------------------------
+
+    def forget_freed(self, read_map: Callable[[], np.ndarray | None]) -> int:
+        """Empty the slots the kernel has freed without a discard (docs/ARCHITECTURE.md,
+        "What the kernel tells the device"). `read_map` returns a copy of the kernel's swap
+        map of our area, one byte per slot, 0 = free (datapath.swapmap), or None. A slot's
+        copy goes only if the map calls it free and its chunk (one swap cluster) saw no write
+        since before the map was read: the kernel allocates a slot before it writes it, so
+        a slot read as free and written since is skipped, and one written after the copy is
+        gone holds the new bytes. Returns the slots emptied."""
+        with self.lock:
+            self.slots.chunk_written[:] = 0
+        kernel = read_map()
+        if kernel is None:
+            return 0
+        with self.lock:
+            slots = self.slots
+            n = min(len(kernel), self.nslots)
+            chunks = np.flatnonzero((slots.chunk_live > 0) & (slots.chunk_written == 0))
+            chunks = chunks[chunks * CHUNK_SLOTS < n]
+            if not len(chunks):
+                return 0
+            idx = (chunks[:, None] * CHUNK_SLOTS + np.arange(CHUNK_SLOTS)).ravel()
+            idx = idx[idx < n]
+            freed = idx[(slots.kind[idx] != EMPTY) & (kernel[idx] == 0)]
+        done = 0
+        for start in range(0, len(freed), FORGET_CHUNK):
+            with self.lock:  # a chunk's cluster may have been written meanwhile: skip those
+                part = freed[start : start + FORGET_CHUNK]
+                part = part[(slots.chunk_written[part // CHUNK_SLOTS] == 0)
+                            & (slots.kind[part] != EMPTY)]
+                for run in np.split(part, np.flatnonzero(np.diff(part) != 1) + 1):
+                    if len(run):
+                        self._release_slots(int(run[0]), len(run))
+                self.counters.kernel_freed_pages += len(part)
+                done += len(part)
+        return done
+
     # -- tiers, accounting (the work is in `tiering` and `accounting`) -----------------
 
     def demote_cold(self, limit: int = DEMOTE_CHUNK) -> int:
@@ -599,9 +656,12 @@ class PageStore:
         return self.tiers.compact()
 
     def maintain(self) -> dict:
+        forgotten = self.forget_freed(self.kernel_map) if self.kernel_map is not None else 0
         result = self.tiers.maintain()
+        result["kernel_freed"] = forgotten
         with self.lock:
             self.objects.frames.drop_idle(FRAME_CACHE_IDLE)
+            self.outside_drop_idle(FRAME_CACHE_IDLE)
         # one scan per round, and only while someone reads the cached stats (a scraper)
         self.snapshots.refresh_if_read(_SNAPSHOT_READERS_WITHIN, SNAPSHOT_REFRESH_EVERY)
         return result
@@ -614,9 +674,8 @@ class PageStore:
         return accounting.stored_mem(self, self.meta_bytes())
 
     def stats(self) -> dict:
-        """Exact stats: a full scan under the store lock (requests wait for it)."""
-        with self.lock:
-            return accounting.stats(self)
+        """Exact stats: the books copied under the store lock, counted after it."""
+        return accounting.stats(self, self.lock)
 
     def cached_stats(self, max_age: float = 0.0) -> tuple[dict, float]:
         """Stats at most `max_age` seconds old, and their age (accounting.StatsCache)."""
@@ -636,3 +695,4 @@ class PageStore:
             self._release_slots(0, self.nslots)
             if self.disk is not None:
                 self.disk.close()
+        self.doorbell.close()

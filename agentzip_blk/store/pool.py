@@ -1,4 +1,4 @@
-"""A zsmalloc-like pool: size classes, cells carved from fixed-size mmap arenas.
+"""A zsmalloc-like pool: size classes, cells carved from fixed-size anonymous arenas.
 
 Each size class (32-byte steps up to 3072 bytes, plus whole pages for raw blobs, plus
 coarser classes for multi-page frames when the store makes them) owns
@@ -8,15 +8,22 @@ intrusive list threaded through the free cells themselves (the first 4 bytes hol
 next free index), so free space costs no metadata. An arena whose last cell is freed is
 unmapped at once: memory goes back to the kernel, which is the point of the exercise.
 
-Per-arena bookkeeping lives in numpy arrays indexed by arena id; the only Python object
-per arena is its mmap.
+Every book is in numpy arrays indexed by arena id, and the pool's totals in one int64 array
+(`state`); an arena is known by its address alone (mmap(2) and munmap(2) through libc, no
+Python object per arena). The arenas of a class with a free cell form a list threaded
+through two of those arrays (`_a_next`, `_a_prev`, from `class_head`), newest first, and
+free arena ids a list through `_a_next`. So the native request path (datapath/nativestore.c)
+allocates and frees cells, and maps and unmaps arenas, through the very same books; the
+only thing it leaves to Python is growing the per-arena arrays (the maintainer does that
+ahead of need: `wanted`).
 """
 
 from __future__ import annotations
 
 import bisect
 import ctypes
-import mmap
+import ctypes.util
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,17 +37,46 @@ _MIN_ARENA_PAGES = 4
 _MAX_ARENA_PAGES = 16
 _NO_CLASS = -1  # the class of an arena id not in use
 _NO_CELL = 0xFFFFFFFF
+_NO_ARENA = -1
+# _a_flags bits
+PARTIAL = 1  # in its class's list of arenas with a free cell
+EVACUATING = 2  # being emptied by compaction: no new cells
+# `state` items: ALLOCATED arenas as mapped (what the cap limits); RESIDENT pages of arenas
+# ever touched (cells are handed out from the start of an arena, and an anonymous mapping
+# costs memory only where it was written, so a fresh arena holding one cell costs that
+# cell's pages: what the server's RSS pays for the pool); LIVE_BYTES cell sizes in use;
+# LIVE_CELLS; ARENAS mapped; IDS arena ids ever used; FREE_ID the first free arena id (-1:
+# none; the rest chained through _a_next); MAX_SIZE the cap.
+ALLOCATED, RESIDENT, LIVE_BYTES, LIVE_CELLS, ARENAS, IDS, FREE_ID, MAX_SIZE = range(8)
 LARGE_CLASS_GROWTH = 32  # classes above MAX_COMPRESSED grow by 1/32
+GROW_AHEAD = 0.75  # the maintainer doubles the per-arena arrays once this share is used
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_PROT_RW = 0x1 | 0x2
+_MAP_PRIVATE_ANON = 0x02 | 0x20
+_MAP_FAILED = (1 << 64) - 1
+_MADV_DONTDUMP = 16
 
 
-def _address(arena: mmap.mmap) -> int:
-    """An arena's address. The ctypes view is dropped at once: an exported mmap could not
-    be closed, and the address stays valid until the arena is (under the store lock)."""
-    view = ctypes.c_char.from_buffer(arena)
-    try:
-        return ctypes.addressof(view)
-    finally:
-        del view
+def map_arena(size: int) -> int:
+    """A fresh anonymous mapping (zero-filled, no memory until written), kept out of core
+    dumps: it holds tenants' pages in the clear (docs/SECURITY.md). nativestore.c maps the
+    same way. Raises PoolFull when the kernel refuses."""
+    addr = _libc.mmap(None, size, _PROT_RW, _MAP_PRIVATE_ANON, -1, 0)
+    if addr is None or addr == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise PoolFull(f"mmap of a {size}-byte arena: {os.strerror(err)}")
+    _libc.madvise(addr, size, _MADV_DONTDUMP)
+    return addr
+
+
+def unmap_arena(addr: int, size: int) -> None:
+    _libc.munmap(addr, size)
 
 
 class PoolFull(Exception):
@@ -89,7 +125,6 @@ class SizeClass:
 
 class Pool:
     def __init__(self, max_size: int, page_size: int = PAGE, max_blob: int = PAGE) -> None:
-        self.max_size = max_size
         self.page_size = page_size
         self.max_blob = max(max_blob, page_size)
         self.classes: list[SizeClass] = []
@@ -98,30 +133,59 @@ class Pool:
             self.classes.append(SizeClass(i, size, arena, arena // size))
         self._large_sizes = [c.cell_size for c in self.classes if c.cell_size > MAX_COMPRESSED]
         self._first_large = len(self.classes) - len(self._large_sizes)
-        # Per class: arena ids with at least one free cell. A dict is an ordered set with
-        # O(1) removal; allocation takes the most recently added arena (LIFO, cache-warm).
-        self._partial: list[dict[int, None]] = [{} for _ in self.classes]
-        self._arenas: list[mmap.mmap | None] = []
-        self._free_ids: list[int] = []  # arena ids to reuse (bounded by the peak arena count)
         cap = 64
         self._a_class = np.full(cap, _NO_CLASS, dtype=np.int16)  # _NO_CLASS: no arena
         self._a_used = np.zeros(cap, dtype=np.int32)
         self._a_free_head = np.zeros(cap, dtype=np.uint32)  # intrusive free list head
         self._a_bump = np.zeros(cap, dtype=np.uint32)  # cells never handed out start here
-        # Each arena's address (0: none), for the native request path, which reads cells
-        # without Python (datapath.native); `on_moved` runs when these arrays are replaced.
-        self.arena_addr = np.zeros(cap, dtype=np.uint64)
-        self.class_cell = np.array([c.cell_size for c in self.classes], dtype=np.uint32)
+        # the class's list of arenas with room; for an id not in use, the next free id
+        self._a_next = np.full(cap, _NO_ARENA, dtype=np.int32)
+        self._a_prev = np.full(cap, _NO_ARENA, dtype=np.int32)
+        self._a_flags = np.zeros(cap, dtype=np.uint8)  # PARTIAL, EVACUATING
+        self.arena_addr = np.zeros(cap, dtype=np.uint64)  # 0: no arena
+        # `on_moved` runs when the per-arena arrays are replaced (the native path reads
+        # them by address)
         self.on_moved: Callable[[], None] = lambda: None
-        self._evacuating: set[int] = set()  # arenas being emptied by compaction
-        self.allocated_bytes = 0  # arenas as mapped (what the cap limits)
-        # Pages of arenas ever touched: cells are handed out from the start of an arena (free
-        # list, then the never-used rest), and an anonymous mapping costs memory only where
-        # it was written, so a fresh arena holding one cell costs that cell's pages, not the
-        # arena. This is what the server's RSS pays for the pool.
-        self.resident_bytes = 0
-        self.live_bytes = 0  # sum of cell sizes in use
-        self.live_cells = 0
+        self.class_cell = np.array([c.cell_size for c in self.classes], dtype=np.uint32)
+        self.class_cells = np.array([c.cells_per_arena for c in self.classes], dtype=np.uint32)
+        self.class_arena = np.array([c.arena_size for c in self.classes], dtype=np.uint32)
+        # per class: the newest arena with a free cell (allocation takes it: LIFO, cache-warm)
+        self.class_head = np.full(len(self.classes), _NO_ARENA, dtype=np.int32)
+        self.state = np.zeros(8, dtype=np.int64)
+        self._state = memoryview(self.state)
+        self._state[FREE_ID] = _NO_ARENA
+        self._state[MAX_SIZE] = max_size
+
+    @property
+    def max_size(self) -> int:
+        return self._state[MAX_SIZE]
+
+    @max_size.setter
+    def max_size(self, value: int) -> None:
+        self._state[MAX_SIZE] = value
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self._state[ALLOCATED]
+
+    @property
+    def resident_bytes(self) -> int:
+        return self._state[RESIDENT]
+
+    @property
+    def live_bytes(self) -> int:
+        return self._state[LIVE_BYTES]
+
+    @property
+    def live_cells(self) -> int:
+        return self._state[LIVE_CELLS]
+
+    @property
+    def arena_count(self) -> int:
+        return self._state[ARENAS]
+
+    def _add(self, item: int, delta: int) -> None:
+        self._state[item] += delta
 
     # -- classes ---------------------------------------------------------------------
 
@@ -132,108 +196,160 @@ class Pool:
             return self.classes[self._first_large + bisect.bisect_left(self._large_sizes, length)]
         return self.classes[(length - 1) // CLASS_STEP]
 
+    # -- the lists of arenas with a free cell ------------------------------------------
+
+    def _partial_add(self, arena_id: int) -> None:
+        """At the head of its class's list, unless it is there already (then it keeps its
+        place)."""
+        if self._a_flags[arena_id] & PARTIAL:
+            return
+        c = int(self._a_class[arena_id])
+        head = int(self.class_head[c])
+        self._a_next[arena_id] = head
+        self._a_prev[arena_id] = _NO_ARENA
+        if head != _NO_ARENA:
+            self._a_prev[head] = arena_id
+        self.class_head[c] = arena_id
+        self._a_flags[arena_id] |= PARTIAL
+
+    def _partial_remove(self, arena_id: int) -> None:
+        if not self._a_flags[arena_id] & PARTIAL:
+            return
+        prev, nxt = int(self._a_prev[arena_id]), int(self._a_next[arena_id])
+        if prev != _NO_ARENA:
+            self._a_next[prev] = nxt
+        else:
+            self.class_head[int(self._a_class[arena_id])] = nxt
+        if nxt != _NO_ARENA:
+            self._a_prev[nxt] = prev
+        self._a_flags[arena_id] &= ~np.uint8(PARTIAL)
+
     # -- allocation ------------------------------------------------------------------
 
     def alloc(self, length: int) -> tuple[int, int]:
         """A free cell that can hold `length` bytes, as (arena id, cell index)."""
         cls = self.class_for(length)
-        partial = self._partial[cls.index]
-        if not partial:
-            partial[self._new_arena(cls)] = None
-        arena_id = next(reversed(partial))
+        arena_id = int(self.class_head[cls.index])
+        if arena_id == _NO_ARENA:
+            arena_id = self._new_arena(cls)
         head = int(self._a_free_head[arena_id])
         if head != _NO_CELL:
-            arena = self._arenas[arena_id]
-            off = head * cls.cell_size
-            self._a_free_head[arena_id] = int.from_bytes(arena[off : off + 4], "little")
             cell = head
+            self._a_free_head[arena_id] = self._next_free(arena_id, cls, cell)
         else:
             cell = int(self._a_bump[arena_id])
             self._a_bump[arena_id] = cell + 1
-            self.resident_bytes += self._touched(cls, cell + 1) - self._touched(cls, cell)
+            self._add(RESIDENT, self._touched(cls, cell + 1) - self._touched(cls, cell))
         used = int(self._a_used[arena_id]) + 1
         self._a_used[arena_id] = used
         if used == cls.cells_per_arena:
-            del partial[arena_id]
-        self.live_bytes += cls.cell_size
-        self.live_cells += 1
+            self._partial_remove(arena_id)
+        self._add(LIVE_BYTES, cls.cell_size)
+        self._add(LIVE_CELLS, 1)
         return arena_id, cell
 
     def free(self, arena_id: int, cell: int) -> None:
-        cls = self.classes[int(self._a_class[arena_id])]
         used = int(self._a_used[arena_id])
-        if used <= 0 or self._arenas[arena_id] is None:
+        if used <= 0 or not self.arena_addr[arena_id]:
             raise RuntimeError(f"double free of arena {arena_id} cell {cell}")
-        self.live_bytes -= cls.cell_size
-        self.live_cells -= 1
+        cls = self.classes[int(self._a_class[arena_id])]
+        self._add(LIVE_BYTES, -cls.cell_size)
+        self._add(LIVE_CELLS, -1)
         if used == 1:
             self._release_arena(arena_id, cls)
             return
-        arena = self._arenas[arena_id]
-        off = cell * cls.cell_size
-        arena[off : off + 4] = int(self._a_free_head[arena_id]).to_bytes(4, "little")
+        self._set_next_free(arena_id, cls, cell, int(self._a_free_head[arena_id]))
         self._a_free_head[arena_id] = cell
         self._a_used[arena_id] = used - 1
-        if used == cls.cells_per_arena and arena_id not in self._evacuating:
-            self._partial[cls.index][arena_id] = None
+        if used == cls.cells_per_arena and not self._a_flags[arena_id] & EVACUATING:
+            self._partial_add(arena_id)
+
+    def _cell_addr(self, arena_id: int, cls: SizeClass, cell: int) -> int:
+        return int(self.arena_addr[arena_id]) + cell * cls.cell_size
+
+    def _next_free(self, arena_id: int, cls: SizeClass, cell: int) -> int:
+        return int.from_bytes(ctypes.string_at(self._cell_addr(arena_id, cls, cell), 4), "little")
+
+    def _set_next_free(self, arena_id: int, cls: SizeClass, cell: int, nxt: int) -> None:
+        ctypes.memmove(self._cell_addr(arena_id, cls, cell), nxt.to_bytes(4, "little"), 4)
 
     def _new_arena(self, cls: SizeClass) -> int:
+        """Map an arena for `cls`, at the head of its list."""
         if self.allocated_bytes + cls.arena_size > self.max_size:
             raise PoolFull(
                 f"pool at {self.allocated_bytes} of {self.max_size} bytes, "
                 f"no room for a {cls.arena_size}-byte arena"
             )
-        arena = mmap.mmap(-1, cls.arena_size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        # tenants' pages in the clear: never in a core dump (docs/SECURITY.md)
-        arena.madvise(mmap.MADV_DONTDUMP)
-        if self._free_ids:
-            arena_id = self._free_ids.pop()
-            self._arenas[arena_id] = arena
+        arena_id = self._state[FREE_ID]
+        if arena_id == _NO_ARENA and self._state[IDS] >= len(self._a_class):
+            self._grow(self._state[IDS] + 1)
+        addr = map_arena(cls.arena_size)
+        if arena_id != _NO_ARENA:
+            self._state[FREE_ID] = int(self._a_next[arena_id])
         else:
-            arena_id = len(self._arenas)
-            self._arenas.append(arena)
-            if arena_id >= len(self._a_class):
-                self._grow(arena_id + 1)
+            arena_id = self._state[IDS]
+            self._state[IDS] = arena_id + 1
         self._a_class[arena_id] = cls.index
-        self.arena_addr[arena_id] = _address(arena)
+        self.arena_addr[arena_id] = addr
         self._a_used[arena_id] = 0
         self._a_free_head[arena_id] = _NO_CELL
         self._a_bump[arena_id] = 0
-        self.allocated_bytes += cls.arena_size
+        self._a_flags[arena_id] = 0
+        self._add(ALLOCATED, cls.arena_size)
+        self._add(ARENAS, 1)
+        self._partial_add(arena_id)
         return arena_id
 
     def _release_arena(self, arena_id: int, cls: SizeClass) -> None:
-        # Every class has several cells per arena, so an arena about to empty is partial.
-        self._partial[cls.index].pop(arena_id, None)
-        arena = self._arenas[arena_id]
-        self._arenas[arena_id] = None
+        self._partial_remove(arena_id)
+        unmap_arena(int(self.arena_addr[arena_id]), cls.arena_size)
         self.arena_addr[arena_id] = 0
-        arena.close()
         self._a_used[arena_id] = 0
         self._a_class[arena_id] = _NO_CLASS
-        self._evacuating.discard(arena_id)
-        self._free_ids.append(arena_id)
-        self.allocated_bytes -= cls.arena_size
-        self.resident_bytes -= self._touched(cls, int(self._a_bump[arena_id]))
+        self._a_flags[arena_id] = 0
+        self._a_next[arena_id] = self._state[FREE_ID]
+        self._state[FREE_ID] = arena_id
+        self._add(ALLOCATED, -cls.arena_size)
+        self._add(RESIDENT, -self._touched(cls, int(self._a_bump[arena_id])))
+        self._add(ARENAS, -1)
 
     def _touched(self, cls: SizeClass, cells: int) -> int:
         """Bytes of whole pages covering an arena's first `cells` cells."""
         return -(-cells * cls.cell_size // self.page_size) * self.page_size
 
+    # -- growth of the per-arena arrays: ahead of need, from the maintainer ---------------
+
+    def wanted(self) -> int | None:
+        """The capacity the maintainer should give the per-arena arrays now (arena ids
+        handed out past GROW_AHEAD of them), or None: the native path cannot grow them."""
+        if self._state[IDS] > GROW_AHEAD * len(self._a_class):
+            return 2 * len(self._a_class)
+        return None
+
+    def grow(self, capacity: int) -> None:
+        """Under the store lock (the arrays are small: 30 bytes an arena)."""
+        if capacity > len(self._a_class):
+            self._grow(capacity)
+
     def _grow(self, needed: int) -> None:
         cap = max(needed, 2 * len(self._a_class))
-        for name in ("_a_class", "_a_used", "_a_free_head", "_a_bump", "arena_addr"):
+        fill = {"_a_class": _NO_CLASS, "_a_next": _NO_ARENA, "_a_prev": _NO_ARENA}
+        for name in ("_a_class", "_a_used", "_a_free_head", "_a_bump", "_a_next", "_a_prev",
+                     "_a_flags", "arena_addr"):
             old = getattr(self, name)
-            new = np.full(cap, _NO_CLASS if name == "_a_class" else 0, dtype=old.dtype)
+            new = np.full(cap, fill.get(name, 0), dtype=old.dtype)
             new[: len(old)] = old
             setattr(self, name, new)
         self.on_moved()
 
     # -- compaction ------------------------------------------------------------------
 
+    def _live_ids(self) -> np.ndarray:
+        return np.flatnonzero(self.arena_addr[: self._state[IDS]])
+
     def arenas_of(self, class_index: int) -> tuple[np.ndarray, np.ndarray]:
         """Live arena ids of a class and their used cell counts."""
-        ids = np.flatnonzero(self._a_class[: len(self._arenas)] == class_index)
+        ids = np.flatnonzero(self._a_class[: self._state[IDS]] == class_index)
         return ids, self._a_used[ids].astype(np.int64)
 
     def evacuation_plan(self, class_index: int) -> list[int]:
@@ -249,21 +365,22 @@ class Pool:
     def evacuate(self, arena_ids: list[int]) -> None:
         """Stop allocating from these arenas; they are released when their last cell moves out."""
         for arena_id in arena_ids:
-            self._evacuating.add(arena_id)
-            self._partial[int(self._a_class[arena_id])].pop(arena_id, None)
+            self._partial_remove(arena_id)
+            self._a_flags[arena_id] |= EVACUATING
 
     def still_evacuating(self, arena_ids: list[int]) -> list[int]:
         """Those of `arena_ids` still being emptied: one released meanwhile may have been
         made again, under the same id, for new cells."""
-        return [a for a in arena_ids if a in self._evacuating]
+        return [a for a in arena_ids if self._a_flags[a] & EVACUATING]
 
     def end_evacuation(self) -> None:
         """Arenas that still hold cells (an interrupted compaction) become allocatable again."""
-        for arena_id in list(self._evacuating):
+        n = self._state[IDS]
+        for arena_id in np.flatnonzero(self._a_flags[:n] & EVACUATING).tolist():
+            self._a_flags[arena_id] &= ~np.uint8(EVACUATING)
             cls = self.classes[int(self._a_class[arena_id])]
-            if self._arenas[arena_id] is not None and self._a_used[arena_id] < cls.cells_per_arena:
-                self._partial[cls.index][arena_id] = None
-        self._evacuating.clear()
+            if self.arena_addr[arena_id] and self._a_used[arena_id] < cls.cells_per_arena:
+                self._partial_add(arena_id)
 
     def arena_size_of(self, length: int) -> int:
         return self.class_for(length).arena_size
@@ -272,46 +389,53 @@ class Pool:
 
     def put(self, arena_id: int, cell: int, data) -> None:
         cls = self.classes[int(self._a_class[arena_id])]
-        off = cell * cls.cell_size
-        self._arenas[arena_id][off : off + len(data)] = data
+        if not isinstance(data, bytes):
+            data = bytes(data)
+        ctypes.memmove(self._cell_addr(arena_id, cls, cell), data, len(data))
 
     def get(self, arena_id: int, cell: int, length: int) -> bytes:
         cls = self.classes[int(self._a_class[arena_id])]
-        off = cell * cls.cell_size
-        return self._arenas[arena_id][off : off + length]
+        return ctypes.string_at(self._cell_addr(arena_id, cls, cell), length)
 
     # -- accounting ------------------------------------------------------------------
+
+    def columns(self) -> dict[str, np.ndarray]:
+        """The books the native request path allocates and frees through (by address; the
+        per-arena arrays are replaced when they grow: `on_moved`)."""
+        return {
+            "arena_addr": self.arena_addr, "arena_class": self._a_class,
+            "arena_used": self._a_used, "arena_free_head": self._a_free_head,
+            "arena_bump": self._a_bump, "arena_next": self._a_next, "arena_prev": self._a_prev,
+            "arena_flags": self._a_flags, "class_cell": self.class_cell,
+            "class_cells": self.class_cells, "class_arena": self.class_arena,
+            "class_head": self.class_head, "pool_state": self.state,
+        }
 
     def arena_classes(self) -> np.ndarray:
         """Each arena id's size class (-1: no arena), the array itself."""
         return self._a_class
 
-    @property
-    def arena_count(self) -> int:
-        return len(self._arenas) - len(self._free_ids)
+    def mapped(self) -> list[tuple[int, int]]:
+        """(address, size) of every arena (for tests that look at the memory itself)."""
+        return [(int(self.arena_addr[a]), self.classes[int(self._a_class[a])].arena_size)
+                for a in self._live_ids().tolist()]
 
     def meta_bytes(self) -> int:
-        """Bookkeeping held for the arenas: numpy arrays, id lists, mmap objects."""
+        """Bookkeeping held for the arenas: the numpy arrays, and the kernel's VMA per
+        arena (~200 bytes, a vm_area_struct)."""
         arrays = sum(
             a.nbytes for a in (self._a_class, self._a_used, self._a_free_head, self._a_bump,
-                               self.arena_addr)
+                               self._a_next, self._a_prev, self._a_flags, self.arena_addr,
+                               self.class_head, self.class_cells, self.class_arena)
         )
-        # List slots are 8 bytes; a dict entry with its index is ~40 bytes.
-        pointers = 8 * (len(self._arenas) + len(self._free_ids))
-        pointers += 40 * sum(map(len, self._partial))
-        # A Python mmap object is ~80 bytes (CPython 3.11 mmap_object) plus its VMA in the kernel.
-        objects = 80 * self.arena_count
-        return arrays + pointers + objects
+        return arrays + 200 * self.arena_count
 
     def class_usage(self) -> list[dict]:
         """Per size class: arenas, cells in use (for fragmentation reports)."""
-        arenas = np.zeros(len(self.classes), dtype=np.int64)
-        cells = np.zeros(len(self.classes), dtype=np.int64)
-        for arena_id, arena in enumerate(self._arenas):
-            if arena is not None:
-                c = int(self._a_class[arena_id])
-                arenas[c] += 1
-                cells[c] += int(self._a_used[arena_id])
+        ids = self._live_ids()
+        classes = self._a_class[ids].astype(np.int64)
+        arenas = np.bincount(classes, minlength=len(self.classes))
+        cells = np.bincount(classes, weights=self._a_used[ids], minlength=len(self.classes))
         return [
             {"cell_size": cls.cell_size, "arenas": int(arenas[i]), "cells": int(cells[i])}
             for i, cls in enumerate(self.classes)

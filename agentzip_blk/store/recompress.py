@@ -19,6 +19,11 @@ page that stays out is worth the dense form: frames of `compression.frame_pages`
    shared by a new write, demoted) is left as it is and picked again later, so a
    rewritten slot keeps its new bytes and a stop in the middle loses nothing.
 
+With the native request path (datapath/nativestore.c) the blobs held by one slot each (all
+but the warm pages dedup shares) are packed by `native_pack`, steps 1-3 in C with the GIL
+released: the same checks, frames of the same size and level, no dictionary. The shared
+ones, and every blob without the native path, go the Python way below.
+
 The budget: at most `policy.recompress_cpu` CPUs of this thread's CPU time (a pass that
 took d seconds of CPU is followed by d * (1 / budget - 1) seconds of rest), and a pass
 waits while requests are in flight (requests first).
@@ -84,6 +89,10 @@ class Recompressor:
         self._slots_of: dict[int, list[int]] = {}
         self._gen_of: dict[int, int] = {}
         self._queue_pressure = False
+        # datapath.native.NativePath.pack when the native path packs: (blobs, gens, slots)
+        # -> (switched, raced, kept, bad, room)
+        self.native_pack: Callable[[np.ndarray, np.ndarray, np.ndarray],
+                                   tuple[int, int, int, int, bool]] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -129,9 +138,21 @@ class Recompressor:
 
     def pass_once(self, pressure: bool = False) -> int:
         """One pick / pack / switch; returns the slots switched to the dense form."""
-        picked = self._pick(pressure)
-        if not picked:
-            return 0
+        alone, picked = self._pick(pressure)
+        switched = 0
+        if alone is not None:
+            done, raced, _kept, _bad, _room = self.native_pack(*alone)
+            self.raced += raced
+            switched += done
+            with self.store.lock:
+                self.pages_total += done
+                self.store.counters.recompressed_pages += done
+        if picked:
+            switched += self._pack(picked)
+        return switched
+
+    def _pack(self, picked: list[_Picked]) -> int:
+        """Steps 2 and 3 for blobs picked with their bytes."""
         pages, groups, bad = self._decode(picked)
         store = self.store
         frames = self._compress(pages, groups)
@@ -160,11 +181,14 @@ class Recompressor:
             store.counters.recompressed_pages += switched
             return switched
 
-    def _pick(self, pressure: bool) -> list[_Picked]:
-        """Up to CHUNK_PAGES candidates, their bytes copied, under the store lock. The slot
-        table is scanned once per queue (in slot order), not once per pass: a scan costs
-        ~10-20 µs per page held, as much as the packing itself (BENCHMARKS.md, "Two speeds")."""
-        store, blobs, slots = self.store, self.store.blobs, self.store.slots
+    def _pick(self, pressure: bool
+              ) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray] | None, list[_Picked]]:
+        """Up to CHUNK_PAGES candidates, under the store lock: those the native path packs
+        (held by one slot: their ids, generations and slots), and the others with their
+        bytes copied. The slot table is scanned once per queue (in slot order), not once per
+        pass: a scan costs ~10-20 µs per page held, as much as the packing itself
+        (BENCHMARKS.md, "Two speeds")."""
+        store, blobs = self.store, self.store.blobs
         with store.lock:
             if pressure != self._queue_pressure:
                 self._queue.clear()
@@ -175,6 +199,16 @@ class Recompressor:
                 blob = self._queue.popleft()
                 if self._candidate(blob, pressure):
                     chosen.append(blob)
+            alone: list[int] = []
+            if self.native_pack is not None:
+                alone = [b for b in chosen if len(self._slots_of[b]) == 1 and blobs.ref[b] == 1]
+                taken = set(alone)
+                chosen = [b for b in chosen if b not in taken]
+            native = None
+            if alone:
+                native = (np.array(alone, dtype=np.uint32),
+                          np.array([self._gen_of[b] for b in alone], dtype=np.uint32),
+                          np.array([self._slots_of.pop(b)[0] for b in alone], dtype=np.uint64))
             pool = store.pool
             picked = [
                 _Picked(blob, int(blobs.gen[blob]), self._slots_of.pop(blob),
@@ -186,7 +220,7 @@ class Recompressor:
             ]
             if not self._queue:
                 self._slots_of.clear()
-            return picked
+            return native, picked
 
     def _warm_mask(self, pressure: bool) -> np.ndarray:
         store, blobs = self.store, self.store.blobs

@@ -119,7 +119,21 @@ class SlotTable:
         nchunks = -(-nslots // CHUNK_SLOTS)
         self.chunk_live = np.zeros(nchunks, dtype=np.int32)  # slots in use per chunk
         self.chunk_touched = np.zeros(nchunks, dtype=bool)  # chunks ever written
-        self.same_pages = 0
+        # chunks written since the last `forget` round cleared them (PageStore.forget_freed:
+        # a copy the kernel's swap map calls free is forgotten only if its chunk saw no write
+        # since before the map was read)
+        self.chunk_written = np.zeros(nchunks, dtype=np.uint8)
+        # same-filled slots, in an array the native request path counts in too
+        self.state = np.zeros(1, dtype=np.int64)
+        self._state = memoryview(self.state)
+
+    @property
+    def same_pages(self) -> int:
+        return self._state[0]
+
+    @same_pages.setter
+    def same_pages(self, value: int) -> None:
+        self._state[0] = value
 
     @staticmethod
     def chunks(first: int, count: int) -> tuple[int, int]:
@@ -168,6 +182,7 @@ class SlotTable:
         self.same_pages += int(np.count_nonzero(kind == SAME))
         c0, c1 = self.chunks(first, len(kind))
         self.chunk_touched[c0:c1] = True
+        self.chunk_written[c0:c1] = 1
         for chunk in range(c0, c1):
             self.recount(chunk)
 

@@ -413,6 +413,16 @@ class Tiers:
         with store.lock:
             return blobs.adopt(arrays)
 
+    def grow_arena_books(self) -> bool:
+        """The pool's per-arena arrays, ahead of need (pool.Pool.wanted): the native request
+        path maps arenas itself, but cannot grow the arrays that name them."""
+        with self.store.lock:
+            capacity = self.pool.wanted()
+            if capacity is None:
+                return False
+            self.pool.grow(capacity)
+            return True
+
     def _returned_go_to_disk(self) -> bool:
         mode = self.store.tiering.returned_to_disk
         if self.disk is None or mode == "never":
@@ -425,6 +435,7 @@ class Tiers:
         memory pressure, demote while above the threshold, then compact."""
         self.resize_index()
         self.grow_blob_table()
+        self.grow_arena_books()
         rewritten = 0
         for _ in range(REWRITE_ROUNDS):
             done = self.rewrite_sparse_frames()
@@ -465,19 +476,17 @@ class Maintainer:
         self.log = log or (lambda msg: None)
         self.rounds = 0
         self.last_error: str | None = None
-        self._event = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="agentzip-maintain", daemon=True)
 
     def start(self) -> None:
-        self.store.wake = self._event.set
         with self.store.lock:
-            self.store.index.hand_growth_to(self._event.set)  # off the write path from now on
+            self.store.index.hand_growth_to(self.store.wake)  # off the write path from now on
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
-        self._event.set()
+        self.store.wake()
         self._thread.join(timeout=10)
         with self.store.lock:
             self.store.index.hand_growth_to(None)
@@ -485,8 +494,7 @@ class Maintainer:
     def _run(self) -> None:
         wait = self.interval
         while not self._stop.is_set():
-            self._event.wait(wait)
-            self._event.clear()
+            self.store.doorbell.wait(wait)
             if self._stop.is_set():
                 return
             try:

@@ -24,7 +24,10 @@ def _plant(run: Path, entries: list[dict]) -> None:
 
 
 def _entry(path: str, original: str = "PWNED\n") -> dict:
-    return {"path": path, "cgroup": "/x", "original": original, "last": "1"}
+    """A planted entry that carries its directory's inode, as the tuner's entries do: the
+    other checks must refuse it on their own."""
+    ino = os.stat(os.path.dirname(path)).st_ino
+    return {"path": path, "cgroup": "/x", "original": original, "last": "1", "ino": ino}
 
 
 def test_planted_entries_are_refused_and_targets_unchanged(tmp_path, caplog):
@@ -116,6 +119,38 @@ def test_real_cgroup_file_is_written_and_restored():
         assert len(report.restored) == 1 and not report.failed
         with open(path) as f:
             assert f.read().strip() == original
+    finally:
+        cg.remove()
+        shutil.rmtree(run, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a real cgroup)")
+def test_an_entry_without_an_inode_is_refused_by_down():
+    """Issue 27: a ledger entry that names a real cgroup file on cgroupfs but carries no
+    inode was not written by the tuner; `down` (its own process, as an operator runs it)
+    refuses it, logs it, and the cgroup file keeps its value."""
+    import subprocess
+    import sys
+
+    try:
+        cg = MemoryCgroup.create(f"azt-ledger-ino-{os.getpid()}")
+    except CgroupError as e:
+        pytest.skip(f"no memory cgroup here: {e}")
+    run = Path(tempfile.mkdtemp(prefix="azt-ledger-", dir="/tmp"))
+    try:
+        name = "memory.swappiness" if cg.version == 1 else "memory.high"
+        path = os.path.join(cg.path, name)
+        before = Path(path).read_text()
+        planted = "13" if cg.version == 1 else str(1 << 20)
+        _plant(run, [{"path": path, "cgroup": "/x", "original": planted, "last": "1"}])
+        os.chmod(run / ledger.LEDGER_FILE, 0o600)
+        res = subprocess.run([os.path.join(os.path.dirname(sys.executable), "agentzip-blk"),
+                              "--run-dir", str(run), "down"], capture_output=True, text=True,
+                             timeout=120, stdin=subprocess.DEVNULL)
+        assert Path(path).read_text() == before, "down wrote a ledger entry without an inode"
+        assert res.returncode == 0, res.stderr  # nothing attached: "nothing to do"
+        assert "no cgroup inode recorded" in res.stdout + res.stderr
+        assert Ledger(str(run)).entries() == []  # refused entries leave the ledger
     finally:
         cg.remove()
         shutil.rmtree(run, ignore_errors=True)

@@ -158,6 +158,7 @@ def valid_configs(draw):
             "rotational": draw(st.booleans()),
             "frontend": draw(st.sampled_from(["auto", "fuse", "nbdfuse", "nbd"])),
             "datapath": draw(st.sampled_from(["auto", "native", "python"])),
+            "swap_map": draw(st.sampled_from(["auto", "off"])),
             "control_group": draw(st.sampled_from([None, "root"])),
         },
         "metrics": {"listen": draw(st.sampled_from(["127.0.0.1:9479", "[::1]:1", "0.0.0.0:65535"]))},

@@ -23,6 +23,7 @@ import pytest
 
 from agentzip_blk.codec.codecs import make_codec
 from agentzip_blk.datapath.control import request
+from agentzip_blk.store.disk import TIER_HEADER
 from nbdkit_server import ROOT, nbdkit_available, plugin_env, start_server
 
 nbd = pytest.importorskip("nbd", reason="python3-libnbd not installed")
@@ -196,10 +197,10 @@ def test_flipped_byte_in_a_disk_extent_is_eio(serve, tmp_path):
     srv, client = serve(**DISK_POOL)
     pages = disk_pages(client)
     tier = tmp_path / "disk-tier"
-    with open(tier, "r+b") as f:  # the first extent: 12-byte nonce, then the ciphertext
-        f.seek(40)
+    with open(tier, "r+b") as f:  # the first extent, after the header: nonce, ciphertext
+        f.seek(len(TIER_HEADER) + 40)
         byte = f.read(1)
-        f.seek(40)
+        f.seek(len(TIER_HEADER) + 40)
         f.write(bytes([byte[0] ^ 0x80]))
     before = client.stats()["checksum_errors"]
     got = read_all(client, pages)
@@ -217,7 +218,8 @@ def test_truncated_tier_file_is_eio(serve, tmp_path):
     # raw pages in extents of whole 64-byte steps with their 12-byte nonce and 16-byte tag,
     # in the order they were written (demotion takes the oldest first)
     extent = -(-(PAGE + 28) // 64) * 64
-    os.truncate(tmp_path / "disk-tier", 16 * extent)  # the last 16 extents are gone
+    # the last 16 extents are gone (the header stays)
+    os.truncate(tmp_path / "disk-tier", len(TIER_HEADER) + 16 * extent)
     before = client.stats()["disk_errors"]
     got = read_all(client, pages)
     failed = [slot for slot, value in got.items() if value == "EIO"]
@@ -252,7 +254,7 @@ def test_disk_tier_holds_no_plaintext_and_dies_with_the_key(serve, tmp_path):
         (tmp_path / sock).unlink()
     assert (tmp_path / "disk-tier").stat().st_size > 0
     srv2, client2 = serve(**DISK_POOL)
-    assert (tmp_path / "disk-tier").stat().st_size == 0
+    assert (tmp_path / "disk-tier").read_bytes() == TIER_HEADER  # emptied but for its header
     assert all(client2.read_or_errno(slot * PAGE) == bytes(PAGE) for slot in pages)
     # The old extents are ciphertext under a key that is gone: planted back they fail.
     fresh = disk_pages(client2)

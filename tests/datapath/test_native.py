@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import socket
@@ -26,7 +27,7 @@ from hypothesis import strategies as st
 from agentzip_blk.datapath import native
 from agentzip_blk.store.tiering import Tiering
 
-from nativeharness import (IN_HEADER, MAX_REPLY, OUT_HEADER, READ, NativeReads, PerThread,
+from nativeharness import (IN_HEADER, MAX_REPLY, OUT_HEADER, READ, NativeRequests, PerThread,
                            native_store, read_request)
 
 PAGE = 4096
@@ -75,7 +76,7 @@ def served():
     def make(**kw):
         store = native_store(**kw)
         path = native.NativePath(store)
-        reads = NativeReads(store, path)
+        reads = NativeRequests(store, path)
         made.append((store, path, reads))
         return store, path, reads
 
@@ -144,7 +145,8 @@ def test_a_corrupt_cell_is_handed_up_and_answers_eio(served):
     blob = int(store.slots.handle[0])
     arena, cell = int(store.blobs.arena[blob]), int(store.blobs.cell[blob])
     size = store.pool.classes[int(store.pool.arena_classes()[arena])].cell_size
-    store.pool._arenas[arena][cell * size] ^= 0xFF  # noqa: SLF001 (the test corrupts a cell)
+    at = ctypes.c_ubyte.from_address(int(store.pool.arena_addr[arena]) + cell * size)
+    at.value ^= 0xFF  # the test corrupts a cell
     with pytest.raises(Exception, match="checksum"):
         reads.read(0, PAGE)
     assert reads.python == 1 and store.counters.checksum_errors == 1

@@ -65,10 +65,13 @@ def test_every_manifest_parses_and_every_container_runs_a_subcommand():
             parser.parse_args(c["args"])
 
 
+NODE_DAEMONSETS = ("agentzip-node", "agentzip-tuner")  # the tuner alone in its own (hostPID)
+
+
 def test_daemonset_mounts_only_what_each_container_needs(by):
-    cs = containers(by, "DaemonSet", "agentzip-node")
-    hp = host_paths(by, "DaemonSet", "agentzip-node")
-    m = {name: mounts(c, hp) for name, c in cs.items()}
+    cs = {n: c for ds in NODE_DAEMONSETS for n, c in containers(by, "DaemonSet", ds).items()}
+    m = {name: mounts(c, host_paths(by, "DaemonSet", ds))
+         for ds in NODE_DAEMONSETS for name, c in containers(by, "DaemonSet", ds).items()}
     assert set(m) == {"node-agent", "tuner", "metrics"}
     # the run dir (nbd.sock: every sandbox's pages) only where the server is spoken to
     assert RUN not in m["node-agent"]
@@ -99,18 +102,19 @@ def test_daemonset_mounts_only_what_each_container_needs(by):
         "supplementalGroups"]  # the control group: read-only verbs on control.sock
 
 
-def test_daemonset_drops_privileges(by):
-    ds = by[("DaemonSet", "agentzip-node")]["spec"]["template"]["spec"]
+@pytest.mark.parametrize("daemonset", NODE_DAEMONSETS)
+def test_daemonset_drops_privileges(by, daemonset):
+    ds = by[("DaemonSet", daemonset)]["spec"]["template"]["spec"]
     assert ds.get("hostNetwork") in (None, False)
     assert ds["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
-    for name, c in containers(by, "DaemonSet", "agentzip-node").items():
+    for name, c in containers(by, "DaemonSet", daemonset).items():
         sc = c["securityContext"]
         assert not sc.get("privileged"), name
         assert sc["capabilities"].get("add") in (None, []), name
         assert sc["capabilities"]["drop"] == ["ALL"], name
         assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
-    text = (K8S / "daemonset.yaml").read_text()
-    assert "SYS_ADMIN" not in yaml.safe_dump(by[("DaemonSet", "agentzip-node")])
+    text = (K8S / "daemonset.yaml").read_text() + (K8S / "tuner.yaml").read_text()
+    assert "SYS_ADMIN" not in yaml.safe_dump(by[("DaemonSet", daemonset)])
     assert "--insecure" not in text
 
 
@@ -155,9 +159,9 @@ def test_the_kubelet_config_is_not_required_to_exist(by):
 
 def test_the_node_agent_and_the_tuner_have_probes_on_their_heartbeats(by):
     from agentzip_blk.host import heartbeat
-    cs = containers(by, "DaemonSet", "agentzip-node")
-    for name in ("node-agent", "tuner"):
-        c = cs[name]
+    # the tuner has its own DaemonSet (tuner.yaml, hostPID), each Pod its own health emptyDir
+    for ds, name in (("agentzip-node", "node-agent"), ("agentzip-tuner", "tuner")):
+        c = containers(by, "DaemonSet", ds)[name]
         beat = arg(c, "--heartbeat")
         assert beat and any(beat.startswith(m["mountPath"] + "/") and m["name"] == "health"
                             for m in c["volumeMounts"]), name
@@ -170,9 +174,9 @@ def test_the_node_agent_and_the_tuner_have_probes_on_their_heartbeats(by):
                 heartbeat.main(cmd[3:] + ["--help"])
             assert e.value.code == 0
         assert c["livenessProbe"]["periodSeconds"] >= 30  # ~30 ms of CPU each, twice a minute at most
-    vols = {v["name"]: v for v in by[("DaemonSet", "agentzip-node")]["spec"]["template"]["spec"]
-            ["volumes"]}
-    assert vols["health"]["emptyDir"]["medium"] == "Memory"
+        vols = {v["name"]: v for v in by[("DaemonSet", ds)]["spec"]["template"]["spec"]
+                ["volumes"]}
+        assert vols["health"]["emptyDir"]["medium"] == "Memory", ds
 
 
 def test_system_node_critical_has_its_quota_outside_kube_system(by):

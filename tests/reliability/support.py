@@ -41,6 +41,18 @@ def record(test: str, **counts: int) -> None:
             f.write(json.dumps({"test": test, **{k: int(v) for k, v in counts.items()}}) + "\n")
 
 
+@contextlib.contextmanager
+def recorded(test: str, counts) -> Iterator[None]:
+    """Record ``counts()`` (a dict of the keys `record` takes) under ``test`` when the block
+    ends, however it ends: a run whose assert fails still reports what it verified and what
+    it lost, and the suite's report (tools/reliability.py) fails on any loss. The asserts go
+    inside the block."""
+    try:
+        yield
+    finally:
+        record(test, **counts())
+
+
 def pages_differing(got: bytes, want: bytes) -> int:
     """4 KiB pages of `got` that differ from `want` (a missing page counts): the data lost
     by a read the test compared byte for byte."""

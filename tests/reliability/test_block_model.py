@@ -123,15 +123,17 @@ def run_model(tmp_path, ops: int, seed: int) -> None:
             t.join()
         stop.set()
         control.join()
+        # recorded first, so that a failing run reports what it lost; a worker that died
+        # verified nothing more, and its span counts as lost
+        lost = sum(r.get("mismatches", 1) for r in results)
+        support.record("block_model", bytes_verified=sum(r.get("verified", 0) for r in results),
+                       data_lost=lost)
         assert all("mismatches" in r for r in results), f"a worker died: {results}"
-        lost = sum(r["mismatches"] for r in results)
         st = support.stats(srv)
         assert lost == 0, f"{lost} reads disagreed with the model"
         assert st["errors"] == 0 and st["enospc"] == 0
         assert st["demotions"] + st["direct_to_disk"] > 0, "the disk tier was never used"
         assert srv.proc.poll() is None
-    support.record("block_model", bytes_verified=sum(r["verified"] for r in results),
-                   data_lost=lost)
 
 
 def test_model_fast(tmp_path):

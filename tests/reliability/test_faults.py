@@ -66,6 +66,11 @@ class Device:
                 self.verified += PAGE
         return bad
 
+    def counts(self, faults: int = 0) -> dict[str, int]:
+        """What this device's checks verified and lost, for support.recorded."""
+        return {"bytes_verified": self.verified, "faults_injected": faults,
+                "data_lost": self.mismatched}
+
     def close(self) -> None:
         os.close(self.fd)
         self.buf.close()
@@ -119,27 +124,27 @@ def test_pool_full_is_enospc_and_keeps_pages(tmp_path):
 
 def _pool_full(chain) -> None:
     dev = Device(chain)
+    st: dict = {}
     try:
-        written, _ = fill_until(dev, 0, make_pages(2048, seed=1, mix="r"), errno.ENOSPC)
-        assert written >= 256  # the pool and the disk tier each took ~1 MiB first
-        st = support.stats(chain.server)
-        assert st["enospc"] >= 1 and st["disk_full"] >= 1 and st["direct_to_disk"] > 0
-        # a failed overwrite leaves the old page; same-filled pages need no room and still fit
-        assert dev.write(0, make_pages(1, seed=99, mix="r")[0]) == errno.ENOSPC
-        assert dev.write(written + 5, b"\x11" * PAGE) == 0
-        assert nbd_errno(chain.server.nbd_socket, "pwrite", os.urandom(PAGE), 3 * PAGE) == "ENOSPC"
-        assert dev.lost() == []
-        # room comes back when the kernel frees slots (discard): then writes succeed again
-        fcntl.ioctl(dev.fd, BLKDISCARD, struct.pack("QQ", 0, 64 * PAGE))
-        for slot in range(64):
-            dev.model[slot] = bytes(PAGE)
-        assert dev.write(1, make_pages(1, seed=98, mix="r")[0]) == 0
-        assert dev.lost() == []
-        st = support.stats(chain.server)
-        assert st["errors"] == 0, "ENOSPC is not an I/O error"
-        assert_books_balance(chain)
-        support.record("pool_full", bytes_verified=dev.verified, faults_injected=st["enospc"],
-                       data_lost=dev.mismatched)
+        with support.recorded("pool_full", lambda: dev.counts(st.get("enospc", 0))):
+            written, _ = fill_until(dev, 0, make_pages(2048, seed=1, mix="r"), errno.ENOSPC)
+            assert written >= 256  # the pool and the disk tier each took ~1 MiB first
+            st = support.stats(chain.server)
+            assert st["enospc"] >= 1 and st["disk_full"] >= 1 and st["direct_to_disk"] > 0
+            # a failed overwrite leaves the old page; same-filled pages need no room and still fit
+            assert dev.write(0, make_pages(1, seed=99, mix="r")[0]) == errno.ENOSPC
+            assert dev.write(written + 5, b"\x11" * PAGE) == 0
+            assert nbd_errno(chain.server.nbd_socket, "pwrite", os.urandom(PAGE), 3 * PAGE) == "ENOSPC"
+            assert dev.lost() == []
+            # room comes back when the kernel frees slots (discard): then writes succeed again
+            fcntl.ioctl(dev.fd, BLKDISCARD, struct.pack("QQ", 0, 64 * PAGE))
+            for slot in range(64):
+                dev.model[slot] = bytes(PAGE)
+            assert dev.write(1, make_pages(1, seed=98, mix="r")[0]) == 0
+            assert dev.lost() == []
+            st = support.stats(chain.server)
+            assert st["errors"] == 0, "ENOSPC is not an I/O error"
+            assert_books_balance(chain)
     finally:
         dev.close()
 
@@ -156,18 +161,18 @@ def test_disk_tier_filesystem_full_is_enospc(tmp_path):
 
 def _disk_full(chain) -> None:
     dev = Device(chain)
+    st: dict = {}
     try:
-        pages = make_pages(4096, seed=2, mix="rt")
-        written, _ = fill_until(dev, 0, pages, errno.ENOSPC)
-        assert written >= 300
-        st = support.stats(chain.server)
-        assert st["disk_full"] >= 1 and st["enospc"] >= 1
-        assert st["tiers"]["disk"]["pages"] > 0
-        assert nbd_errno(chain.server.nbd_socket, "pwrite", os.urandom(PAGE), 0) == "ENOSPC"
-        assert dev.lost() == []
-        assert_books_balance(chain)
-        support.record("disk_full", bytes_verified=dev.verified,
-                       faults_injected=st["enospc"], data_lost=dev.mismatched)
+        with support.recorded("disk_full", lambda: dev.counts(st.get("enospc", 0))):
+            pages = make_pages(4096, seed=2, mix="rt")
+            written, _ = fill_until(dev, 0, pages, errno.ENOSPC)
+            assert written >= 300
+            st = support.stats(chain.server)
+            assert st["disk_full"] >= 1 and st["enospc"] >= 1
+            assert st["tiers"]["disk"]["pages"] > 0
+            assert nbd_errno(chain.server.nbd_socket, "pwrite", os.urandom(PAGE), 0) == "ENOSPC"
+            assert dev.lost() == []
+            assert_books_balance(chain)
     finally:
         dev.close()
 
@@ -190,46 +195,45 @@ def test_disk_tier_io_errors_are_eio_and_lose_nothing(tmp_path):
 
 def _disk_io_errors(chain, fs) -> None:
     dev = Device(chain)
+    faults = 0
     try:
-        pages = make_pages(600, seed=3, mix="rt")
-        for i, page in enumerate(pages):  # past the pool's 1 MiB: the rest goes to disk
-            assert dev.write(i, page) == 0
-        st = support.stats(chain.server)
-        assert st["tiers"]["disk"]["pages"] > 0 and st["tiers"]["pool"]["pages"] > 0
-        on_disk = slots_in_tier(chain, range(len(pages)), tier=1)
-        in_pool = slots_in_tier(chain, range(len(pages)), tier=0)
-        assert on_disk and in_pool
-        # enough raw pages to outgrow the file's fallocated 1 MiB step, for `a` to be hit
-        new = make_pages(400, seed=4, mix="r")
-        faults = 0
-        for letters in ("a", "w", "s", "ws"):  # fallocate (first: the file must grow), write, fsync
-            fs.arm(letters)
-            failed = [dev.write(i, p) for i, p in enumerate(new, start=1000)]
-            overwrite = dev.write(on_disk[0], new[0])  # a stored slot: must keep its page
+        with support.recorded("disk_io_errors", lambda: dev.counts(faults)):
+            pages = make_pages(600, seed=3, mix="rt")
+            for i, page in enumerate(pages):  # past the pool's 1 MiB: the rest goes to disk
+                assert dev.write(i, page) == 0
+            st = support.stats(chain.server)
+            assert st["tiers"]["disk"]["pages"] > 0 and st["tiers"]["pool"]["pages"] > 0
+            on_disk = slots_in_tier(chain, range(len(pages)), tier=1)
+            in_pool = slots_in_tier(chain, range(len(pages)), tier=0)
+            assert on_disk and in_pool
+            # enough raw pages to outgrow the file's fallocated 1 MiB step, for `a` to be hit
+            new = make_pages(400, seed=4, mix="r")
+            for letters in ("a", "w", "s", "ws"):  # fallocate (first: the file must grow), write, fsync
+                fs.arm(letters)
+                failed = [dev.write(i, p) for i, p in enumerate(new, start=1000)]
+                overwrite = dev.write(on_disk[0], new[0])  # a stored slot: must keep its page
+                fs.arm("")
+                assert errno.EIO in failed, letters
+                assert set(failed) <= {0, errno.EIO}, letters
+                assert overwrite in (0, errno.EIO)
+                faults += failed.count(errno.EIO) + (overwrite == errno.EIO)
+                assert dev.lost() == [], f"pages lost after '{letters}' faults"
+            # reads promote pages to the pool: ask again which slots are on disk now
+            on_disk = slots_in_tier(chain, range(len(pages)), tier=1)
+            in_pool = slots_in_tier(chain, range(len(pages)), tier=0)
+            assert len(on_disk) >= 2
+            fs.arm("r")
+            assert dev.read(on_disk[0]) == errno.EIO
+            assert nbd_errno(chain.server.nbd_socket, "pread", PAGE, on_disk[1] * PAGE) == "EIO"
+            assert dev.lost(in_pool) == [], "pool pages must stay readable while the disk fails"
+            faults += 2
             fs.arm("")
-            assert errno.EIO in failed, letters
-            assert set(failed) <= {0, errno.EIO}, letters
-            assert overwrite in (0, errno.EIO)
-            faults += failed.count(errno.EIO) + (overwrite == errno.EIO)
-            assert dev.lost() == [], f"pages lost after '{letters}' faults"
-        # reads promote pages to the pool: ask again which slots are on disk now
-        on_disk = slots_in_tier(chain, range(len(pages)), tier=1)
-        in_pool = slots_in_tier(chain, range(len(pages)), tier=0)
-        assert len(on_disk) >= 2
-        fs.arm("r")
-        assert dev.read(on_disk[0]) == errno.EIO
-        assert nbd_errno(chain.server.nbd_socket, "pread", PAGE, on_disk[1] * PAGE) == "EIO"
-        assert dev.lost(in_pool) == [], "pool pages must stay readable while the disk fails"
-        faults += 2
-        fs.arm("")
-        assert dev.lost() == []
-        st = support.stats(chain.server)
-        assert st["disk_errors"] >= 5 and st["errors"] >= 5
-        support.request(chain.server.control_socket, "reclaim")  # books still balance
-        assert dev.lost() == []
-        assert_books_balance(chain)
-        support.record("disk_io_errors", bytes_verified=dev.verified, faults_injected=faults,
-                       data_lost=dev.mismatched)
+            assert dev.lost() == []
+            st = support.stats(chain.server)
+            assert st["disk_errors"] >= 5 and st["errors"] >= 5
+            support.request(chain.server.control_socket, "reclaim")  # books still balance
+            assert dev.lost() == []
+            assert_books_balance(chain)
     finally:
         dev.close()
 
@@ -253,30 +257,31 @@ def test_compressor_exception_is_eio_and_changes_nothing(tmp_path):
 
 def _compressor_faults(chain, ctl) -> None:
     dev = Device(chain)
+    faulted = 0
     try:
-        pages = make_pages(300, seed=5)
-        for i, page in enumerate(pages):
-            assert dev.write(i, page) == 0
-        ctl.write_text("c")
-        fresh = make_pages(30, seed=6, mix="tr")
-        failed = [dev.write(i, p) for i, p in enumerate(fresh)]  # overwrites of stored slots
-        assert failed == [errno.EIO] * len(fresh)
-        assert dev.write(400, b"\x42" * PAGE) == 0  # same-filled: no codec involved
-        assert dev.write(401, pages[0]) == 0  # a duplicate: shares the stored blob
-        assert nbd_errno(chain.server.nbd_socket, "pwrite", fresh[0], 500 * PAGE) == "EIO"
-        assert dev.lost() == []
-        ctl.write_text("d")
-        assert dev.read(0) == errno.EIO  # text page: decompression needed
-        ctl.write_text("")
-        assert dev.lost() == []
-        st = support.stats(chain.server)
-        assert st["errors"] == len(fresh) + 2
-        for i, page in enumerate(fresh):  # the fault cleared: the same writes now succeed
-            assert dev.write(i, page) == 0
-        assert dev.lost() == []
-        assert_books_balance(chain)
-        support.record("compressor_exception", bytes_verified=dev.verified,
-                       faults_injected=len(fresh) + 2, data_lost=dev.mismatched)
+        with support.recorded("compressor_exception", lambda: dev.counts(faulted)):
+            pages = make_pages(300, seed=5)
+            for i, page in enumerate(pages):
+                assert dev.write(i, page) == 0
+            ctl.write_text("c")
+            fresh = make_pages(30, seed=6, mix="tr")
+            failed = [dev.write(i, p) for i, p in enumerate(fresh)]  # overwrites of stored slots
+            assert failed == [errno.EIO] * len(fresh)
+            assert dev.write(400, b"\x42" * PAGE) == 0  # same-filled: no codec involved
+            assert dev.write(401, pages[0]) == 0  # a duplicate: shares the stored blob
+            assert nbd_errno(chain.server.nbd_socket, "pwrite", fresh[0], 500 * PAGE) == "EIO"
+            assert dev.lost() == []
+            ctl.write_text("d")
+            assert dev.read(0) == errno.EIO  # text page: decompression needed
+            ctl.write_text("")
+            faulted = len(fresh) + 2
+            assert dev.lost() == []
+            st = support.stats(chain.server)
+            assert st["errors"] == len(fresh) + 2
+            for i, page in enumerate(fresh):  # the fault cleared: the same writes now succeed
+                assert dev.write(i, page) == 0
+            assert dev.lost() == []
+            assert_books_balance(chain)
     finally:
         dev.close()
 
@@ -305,13 +310,13 @@ def test_failed_writeback_releases_the_request(tmp_path, monkeypatch):
             with pytest.raises(DiskError):
                 store.write(page, i * PAGE)
         monkeypatch.setattr(store.disk, "drop_cache", real)
-        store.check()  # refcounts, blob count, disk extents: nothing leaked
-        assert store.stats()["disk_errors"] == 100
         lost = sum(support.pages_differing(store.read(i * PAGE, PAGE), page)
                    for i, page in enumerate(pages[:300]))
         lost += support.pages_differing(store.read(300 * PAGE, 100 * PAGE), bytes(100 * PAGE))
         support.record("writeback_failure", faults_injected=100,
-                       bytes_verified=(400 - lost) * PAGE, data_lost=lost)
+                       bytes_verified=(400 - lost) * PAGE, data_lost=lost)  # before any assert
         assert lost == 0, f"{lost} pages read back wrong"
+        store.check()  # refcounts, blob count, disk extents: nothing leaked
+        assert store.stats()["disk_errors"] == 100
     finally:
         store.close()

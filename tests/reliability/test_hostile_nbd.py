@@ -131,11 +131,12 @@ def hostile(tmp_path_factory):
     with support.server(tmp, size=str(SIZE)) as srv:
         client = Client(srv)
         yield client
-        client.check_all()
-        client.drop()  # nbdkit waits for open connections before it exits
-        assert srv.proc.poll() is None, srv.log_text()[-2000:]
-        support.record("hostile_nbd", hostile_inputs=client.tried, bytes_verified=client.verified,
-                       data_lost=client.lost)
+        with support.recorded("hostile_nbd", lambda: {
+                "hostile_inputs": client.tried, "bytes_verified": client.verified,
+                "data_lost": client.lost}):
+            client.check_all()
+            client.drop()  # nbdkit waits for open connections before it exits
+            assert srv.proc.poll() is None, srv.log_text()[-2000:]
 
 
 @settings(max_examples=FAST, deadline=None, database=None,

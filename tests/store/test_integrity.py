@@ -11,7 +11,7 @@ import pytest
 
 from agentzip_blk.store import PageStore, Tiering
 from agentzip_blk.store.blobs import DISK, POOL
-from agentzip_blk.store.disk import DiskError, DiskTier
+from agentzip_blk.store.disk import TIER_HEADER, DiskError, DiskTier
 from agentzip_blk.store.integrity import Corrupt
 
 PAGE = 4096
@@ -140,16 +140,17 @@ def test_an_extent_from_another_server_start_does_not_open(tmp_path):
     one = DiskTier(str(tmp_path / "one"))
     two = DiskTier(str(tmp_path / "two"))
     data = os.urandom(1000)
+    off = len(TIER_HEADER)  # the first extent follows the header
     for tier in (one, two):
-        assert tier.alloc(len(data)) == 0
-    one.put(0, data, blob=5, gen=2)
-    assert one.read(0, len(data), 5, 2) == data
+        assert tier.alloc(len(data)) == off
+    one.put(off, data, blob=5, gen=2)
+    assert one.read(off, len(data), 5, 2) == data
     with pytest.raises(Corrupt):
-        one.read(0, len(data), 5, 3)  # the row's next generation: a replay
-    extent = (tmp_path / "one").read_bytes()[: one.extent_size(len(data))]
-    two.write(0, extent)  # same offset, blob and generation; another key
+        one.read(off, len(data), 5, 3)  # the row's next generation: a replay
+    extent = (tmp_path / "one").read_bytes()[off:off + one.extent_size(len(data))]
+    two.write(off, extent)  # same offset, blob and generation; another key
     with pytest.raises(Corrupt):
-        two.read(0, len(data), 5, 2)
+        two.read(off, len(data), 5, 2)
     one.close()
     two.close()
     assert not (tmp_path / "one").exists()
@@ -168,14 +169,16 @@ def test_freed_extents_are_hole_punched(tmp_path):
     # not reusable before its punch (which the maintainer does without the store lock)
     assert tier.alloc(PAGE) == offsets[-1] + tier.extent_size(PAGE)
     pending = tier.take_pending()
-    assert pending == [(0, 63 * tier.extent_size(PAGE))] and not tier.take_pending()
+    assert pending == [(len(TIER_HEADER), 63 * tier.extent_size(PAGE))]
+    assert not tier.take_pending()
     tier.punch(pending)
     tier.reuse(pending)
     after = os.stat(tmp_path / "tier").st_blocks
     assert after * 512 <= full * 512 - 60 * PAGE
     assert tier.punch_errors == 0
     with open(tmp_path / "tier", "rb") as f:
-        assert f.read(PAGE) == bytes(PAGE)  # nothing left of the first extent
+        # nothing left of the first extent; the header stays
+        assert f.read(PAGE) == TIER_HEADER + bytes(PAGE - len(TIER_HEADER))
     again = tier.alloc(PAGE)  # a reused extent is allocated again before the write
     tier.put(again, b"x" * PAGE, blob=99, gen=0)
     assert tier.read(again, PAGE, 99, 0) == b"x" * PAGE
@@ -183,7 +186,7 @@ def test_freed_extents_are_hole_punched(tmp_path):
 
 
 @pytest.mark.parametrize("plant", ["symlink", "dangling", "mode", "hardlink", "fifo", "owner",
-                                   "directory"])
+                                   "directory", "no-header"])
 def test_a_planted_tier_path_is_refused_and_left_alone(tmp_path, plant):
     target = tmp_path / "target"
     target.write_bytes(b"someone's data\n" * 300)
@@ -192,7 +195,8 @@ def test_a_planted_tier_path_is_refused_and_left_alone(tmp_path, plant):
     path = tmp_path / "tier"
     expect = {"symlink": "symbolic link", "dangling": "symbolic link", "mode": "mode 0644",
               "hardlink": "2 hard links", "fifo": "not a regular file",
-              "owner": "owned by uid", "directory": "refusing"}[plant]
+              "owner": "owned by uid", "directory": "refusing",
+              "no-header": "not an agentzip disk tier"}[plant]
     if plant == "symlink":
         path.symlink_to(target)
     elif plant == "dangling":
@@ -213,6 +217,11 @@ def test_a_planted_tier_path_is_refused_and_left_alone(tmp_path, plant):
         os.chown(path, nobody.pw_uid, nobody.pw_gid)
     elif plant == "directory":
         path.mkdir(mode=0o700)
+    elif plant == "no-header":  # right owner, mode and links: still not a tier of ours
+        path.write_bytes(b"the operator's own file\n" * 300)
+        os.chmod(path, 0o600)
+        target = path
+        before = target.read_bytes()
     with pytest.raises(DiskError, match=expect):
         PageStore(4 << 20, tiering=Tiering(swap_out_path=str(path)))
     assert target.read_bytes() == before
@@ -235,10 +244,10 @@ def test_a_new_tier_file_is_ours_and_0600(tmp_path):
 
 def test_an_old_tier_file_of_ours_is_emptied_at_start(tmp_path):
     path = tmp_path / "tier"
-    path.write_bytes(b"last run's extents" * 1000)
+    path.write_bytes(TIER_HEADER + b"last run's extents" * 1000)
     os.chmod(path, 0o600)
     store = make_store(tmp_path)
-    assert path.stat().st_size == 0
+    assert path.read_bytes() == TIER_HEADER  # emptied: the header alone
     store.close()
 
 
@@ -278,6 +287,7 @@ def test_the_maintainer_punches_freed_extents_outside_the_lock(tmp_path, monkeyp
     store.maintain()
     assert seen == [(False, 1)]  # one range: the eight extents side by side
     with open(tmp_path / "tier", "rb") as f:
+        f.seek(len(TIER_HEADER))  # the extents follow the header
         data = f.read(8 * store.disk.extent_size(PAGE))
     assert data == bytes(len(data))  # the freed extents hold zeros now
     for slot in range(8, 16):

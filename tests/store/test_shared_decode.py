@@ -176,9 +176,10 @@ def test_hot_cache_drop_idle_keeps_recent_entries_in_lru_order():
     now = [100.0]
     cache = HotCache(1 << 20, clock=lambda: now[0])
     for blob in range(4):
-        cache.put(blob, bytes(PAGE))
+        cache.put(blob, 7, bytes(PAGE))
         now[0] += 1.0
-    assert cache.get(0) is not None  # used again at t=104: the most recent now
+    assert cache.get(0, 8) is None  # another generation of the row: not this copy
+    assert cache.get(0, 7) is not None  # used again at t=104: the most recent now
     now[0] = 105.5
     assert cache.drop_idle(2.0) == 3  # blobs 1, 2, 3: last used at 101-103, before 103.5
     assert cache.keys() == [0]

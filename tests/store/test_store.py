@@ -229,8 +229,6 @@ def test_pool_memory_is_counted_as_the_kernel_sees_it(frame_pages: int):
     agree (a fresh arena holding one cell costs that cell's pages, not the whole arena), or
     count at most one page per arena more (a blob shorter than its cell leaves the cell's
     last page untouched): never less than the kernel holds."""
-    import ctypes
-
     from agentzip_blk.store.tables import resident_bytes
 
     store = PageStore(DEVICE, max_size=64 << 20, frame_pages=frame_pages)
@@ -240,8 +238,7 @@ def test_pool_memory_is_counted_as_the_kernel_sees_it(frame_pages: int):
                         for _ in range(3))
         store.write(data, slot * PAGE)
     store.trim(6 * PAGE, 9 * PAGE)
-    seen = sum(resident_bytes(ctypes.addressof(ctypes.c_char.from_buffer(arena)), len(arena))
-               for arena in store.pool._arenas if arena is not None)
+    seen = sum(resident_bytes(addr, size) for addr, size in store.pool.mapped())
     stats = store.stats()
     arenas = stats["pool_arenas"]
     assert seen <= stats["pool_resident_bytes"] <= seen + arenas * PAGE

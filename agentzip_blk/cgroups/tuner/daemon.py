@@ -10,6 +10,8 @@ import agentzip_blk
 
 from ... import procfs
 from ...host.procs import pid_alive
+from ...errors import SetupError
+from ...host.rundir import open_private
 
 TUNER_PID = "tuner.pid"
 TUNER_LOG = "tuner.log"
@@ -22,11 +24,21 @@ class TunerBusy(RuntimeError):
 
 def acquire_instance(run_dir: str) -> int:
     """Hold RUN/tuner.lock for the life of this process (one tuner per run directory: it
-    restores every ledger entry when it stops). Returns the fd to keep open."""
+    restores every ledger entry when it stops). Returns the fd to keep open.
+
+    The lock, pid and log files are root's, 0600, and never opened through a symbolic link
+    (open_private): a link planted in the run directory must not make root create, truncate
+    or append to another file."""
     import fcntl
 
     os.makedirs(run_dir, mode=0o700, exist_ok=True)
-    fd = os.open(os.path.join(run_dir, TUNER_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+    lock = os.path.join(run_dir, TUNER_LOCK)
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise SetupError(f"{lock}: {e.strerror}: refusing it (a symbolic link?)") from None
+    if os.fstat(fd).st_mode & 0o077:
+        os.fchmod(fd, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -34,15 +46,19 @@ def acquire_instance(run_dir: str) -> int:
         pid = running_pid(run_dir)
         raise TunerBusy(f"a tuner already runs on {run_dir}" + (f" (pid {pid})" if pid else "") +
                         ": stop it first (Ctrl-C, or `agentzip-blk down`)") from None
-    with open(os.path.join(run_dir, TUNER_PID), "w") as f:
-        f.write(f"{os.getpid()}\n")
+    try:
+        with open_private(os.path.join(run_dir, TUNER_PID)) as f:
+            f.write(f"{os.getpid()}\n")
+    except OSError as e:
+        os.close(fd)
+        raise SetupError(f"{os.path.join(run_dir, TUNER_PID)}: {e.strerror}: refusing it "
+                         f"(a symbolic link?)") from None
     return fd
 
 
 def release_instance(run_dir: str, fd: int) -> None:
     try:
-        with open(os.path.join(run_dir, TUNER_PID)) as f:
-            mine = int(f.read().strip() or 0) == os.getpid()
+        mine = _read_pid(run_dir) == os.getpid()
     except (OSError, ValueError):
         mine = False
     if mine:
@@ -56,14 +72,21 @@ def _is_tuner(pid: int, run_dir: str) -> bool:
     return "tune" in argv and any(run_dir in a for a in argv)
 
 
+def _read_pid(run_dir: str) -> int:
+    """RUN/tuner.pid, read without following a link (ValueError/OSError when unusable)."""
+    fd = os.open(os.path.join(run_dir, TUNER_PID),
+                 os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, encoding="ascii", errors="replace") as f:
+        return int(f.read(32).strip() or 0)
+
+
 def running_pid(run_dir: str) -> int | None:
     """The pid of the tuner of *run_dir* if it runs."""
     try:
-        with open(os.path.join(run_dir, TUNER_PID)) as f:
-            pid = int(f.read().strip())
+        pid = _read_pid(run_dir)
     except (OSError, ValueError):
         return None
-    return pid if pid_alive(pid) and _is_tuner(pid, run_dir) else None
+    return pid if pid > 0 and pid_alive(pid) and _is_tuner(pid, run_dir) else None
 
 
 def start_daemon(run_dir: str, config_path: str | None, extra: list[str] | None = None,
@@ -81,7 +104,7 @@ def start_daemon(run_dir: str, config_path: str | None, extra: list[str] | None 
     env = dict(os.environ)
     pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(agentzip_blk.__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg_parent, env.get("PYTHONPATH")]))
-    log = open(os.path.join(run_dir, TUNER_LOG), "ab")
+    log = open_private(os.path.join(run_dir, TUNER_LOG), "ab")
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
                                 start_new_session=True, close_fds=True)

@@ -1,0 +1,1015 @@
+/* The native request path's work on the store's books (nativestore.h): a warm read and a
+ * warm write, and the pool, index and blob-table operations they need. Each function names
+ * the Python function it mirrors; the model tests hold the two to the same answers. */
+#include "nativestore.h"
+
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <lz4.h>
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+#define ZSTD_STATIC_LINKING_ONLY /* for ZSTD_d_format / ZSTD_c_format: magicless frames */
+#include <zstd.h>
+#include <pthread.h>
+
+#define NO_CELL 0xFFFFFFFFu
+#define NO_ARENA (-1)
+#define NO_BLOB 0xFFFFFFFFu
+#define SUB_BITS 4         /* dedup.SUB_BITS */
+#define MAX_CANDIDATES 4   /* dedup.MAX_CANDIDATES */
+#define MAX_PROBE 64       /* dedup.MAX_PROBE */
+#define FP_EMPTY 0
+#define FP_TOMBSTONE 1
+#define INDEX_AHEAD_LOAD 0.6 /* dedup._AHEAD_LOAD */
+#define INDEX_MAX_LOAD 0.7   /* dedup._MAX_LOAD */
+#define BLOB_GROW_AHEAD 0.75 /* blobs.GROW_AHEAD */
+#define ARENA_GROW_AHEAD 0.75 /* pool.GROW_AHEAD */
+
+static uint8_t *cell_addr(const Tables *t, int32_t a, uint32_t cell);
+
+int64_t store_now(double t0, int64_t tick_base) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    double now = (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+    return (int64_t)((now - t0) * TICKS_PER_SECOND) + 1 - tick_base; /* PageStore.now */
+}
+
+/* -- reads ----------------------------------------------------------------------------- */
+
+/* Where a blob's bytes are, if it is one warm pool page the native path decodes (one page,
+ * raw or lz4, no dictionary, in a pool cell), else NULL. */
+static const uint8_t *servable(const Tables *t, uint32_t blob) {
+    if (blob >= t->nblobs || t->ref[blob] == 0 || t->pages[blob] != 1 ||
+        t->tier[blob] != TIER_POOL || t->dict_id[blob] != 0)
+        return NULL;
+    uint8_t codec = t->codec[blob];
+    uint16_t len = t->length[blob];
+    if (codec == CODEC_RAW) {
+        if (len != PAGE)
+            return NULL;
+    } else if (codec != CODEC_LZ4 && codec != CODEC_LZ4HC) {
+        return NULL;
+    }
+    int32_t a = t->arena[blob];
+    if (a < 0 || (uint64_t)a >= t->narenas || t->a_addr[a] == 0)
+        return NULL;
+    int16_t cls = t->a_class[a];
+    if (cls < 0 || (uint64_t)cls >= t->nclasses || len > t->class_cell[cls] || len == 0)
+        return NULL;
+    return (const uint8_t *)(uintptr_t)(t->a_addr[a] + (uint64_t)t->cell[blob] * t->class_cell[cls]);
+}
+
+/* One warm blob's page decoded into `out`, its checksum verified: 1, or 0 on a mismatch or
+ * a codec failure (Python reads it again, counts it and answers EIO). */
+static int decode_page(const Tables *t, int checksums, uint32_t blob, const uint8_t *src,
+                       uint8_t *out) {
+    uint16_t len = t->length[blob];
+    if (checksums && (uint32_t)XXH3_64bits(src, len) != t->csum[blob])
+        return 0;
+    if (t->codec[blob] == CODEC_RAW) {
+        memcpy(out, src, PAGE);
+        return 1;
+    }
+    return LZ4_decompress_safe((const char *)src, (char *)out, len, PAGE) == PAGE;
+}
+
+/* A blob the native side decodes after the lock: zstd without a dictionary in a pool cell,
+ * a dense frame or a page alone (what Placer.store_group and the packer make). */
+static int dense_servable(const Tables *t, uint32_t blob) {
+    if (blob >= t->nblobs || t->ref[blob] == 0 || t->tier[blob] != TIER_POOL ||
+        t->dict_id[blob] != 0 || t->codec[blob] != CODEC_ZSTD)
+        return 0;
+    uint8_t pages = t->pages[blob];
+    int32_t a = t->arena[blob];
+    if (pages == 0 || pages > MAX_FRAME_PAGES || a < 0 || (uint64_t)a >= t->narenas ||
+        t->a_addr[a] == 0)
+        return 0;
+    int16_t cls = t->a_class[a];
+    uint16_t len = t->length[blob];
+    return cls >= 0 && (uint64_t)cls < t->nclasses && len > 0 && len <= t->class_cell[cls];
+}
+
+static double seconds_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static int cache_find(FrameCache *fc, uint32_t blob, uint32_t gen) {
+    if (fc->data == NULL)
+        return -1;
+    for (int c = 0; c < FRAME_CACHE_ENTRIES; c++)
+        if (fc->valid[c] && fc->blob[c] == blob && fc->gen[c] == gen)
+            return c;
+    return -1;
+}
+
+#define MAX_JOBS 8 /* frames one request decodes after the lock; more: Python's */
+
+/* PageStore._readinto_few for an aligned READ of `count` pages from slot `first`: SERVED,
+ * or the reason it is handed up, with nothing changed but read ticks Python sets again.
+ * Warm pages and pages of cached frames are answered here, under the lock; the dense
+ * blobs left (plan->njobs) have their stored bytes copied to `scratch` for `finish_read`,
+ * after the lock. */
+int native_read(const Tables *t, FrameCache *fc, int checksums, int64_t now, uint64_t first,
+                uint64_t count, uint8_t *out, ReadPlan *plan, uint8_t *scratch, size_t room) {
+    if (first + count > t->nslots || count > MAX_PAGES)
+        return UP_SHAPE;
+    /* First every page is checked, so that a request is served whole or not at all; each
+     * blob's bytes are found once, here. */
+    const uint8_t *src[MAX_PAGES];
+    uint8_t cached[MAX_PAGES];
+    size_t used = 0;
+    double when = seconds_now();
+    plan->njobs = 0;
+    for (uint64_t i = 0; i < count; i++) {
+        uint64_t slot = first + i;
+        uint8_t kind = t->kind[slot];
+        src[i] = NULL;
+        cached[i] = 0;
+        plan->job_of[i] = -1;
+        if (kind == KIND_EMPTY)
+            continue;
+        if (kind == KIND_SAME) {
+            if (t->handle[slot] != 0)
+                return UP_READ_BLOB; /* a non-zero word: Python's table */
+            continue;
+        }
+        if (kind != KIND_BLOB)
+            return UP_READ_BLOB;
+        uint32_t blob = t->handle[slot];
+        if ((src[i] = servable(t, blob)) != NULL)
+            continue;
+        if (!dense_servable(t, blob))
+            return UP_READ_BLOB;
+        uint8_t sub = t->sub[slot];
+        if (sub >= t->pages[blob])
+            return UP_CORRUPT;
+        int c = t->pages[blob] > 1 ? cache_find(fc, blob, t->gen[blob]) : -1;
+        if (c >= 0) {
+            src[i] = fc->data + (size_t)c * FRAME_BYTES + (size_t)sub * PAGE;
+            cached[i] = 1;
+            fc->used[c] = when;
+            fc->hits++;
+            continue;
+        }
+        uint32_t j = 0;
+        while (j < plan->njobs && plan->jobs[j].blob != blob)
+            j++;
+        if (j == plan->njobs) {
+            uint32_t len = t->length[blob];
+            if (j == MAX_JOBS || used + len > room)
+                return UP_READ_BLOB;
+            FrameJob *job = &plan->jobs[plan->njobs++];
+            job->blob = blob;
+            job->gen = t->gen[blob];
+            job->csum = t->csum[blob];
+            job->pages = t->pages[blob];
+            job->len = len;
+            job->at = (uint32_t)used;
+            int32_t a = t->arena[blob];
+            memcpy(scratch + used, cell_addr(t, a, t->cell[blob]), len);
+            used += len;
+            fc->misses++;
+        }
+        plan->job_of[i] = (int16_t)j;
+        plan->sub_of[i] = sub;
+    }
+    /* Then each page answered (or left to finish_read), and its access ticks recorded as
+     * PageStore._readinto_few records them (a request handed up midway leaves only ticks
+     * Python sets again). */
+    uint16_t low = (uint16_t)(now & TICK_MASK);
+    for (uint64_t i = 0; i < count; i++) {
+        uint8_t *dst = out + i * PAGE;
+        uint64_t slot = first + i;
+        if (t->kind[slot] != KIND_BLOB) {
+            memset(dst, 0, PAGE);
+            continue;
+        }
+        uint32_t blob = t->handle[slot];
+        if (cached[i])
+            memcpy(dst, src[i], PAGE);
+        else if (src[i] != NULL && !decode_page(t, checksums, blob, src[i], dst))
+            return UP_CORRUPT;
+        t->rtime[blob] = (uint32_t)now;
+        t->atime[blob] = (uint32_t)now;
+        t->srtime[slot] = low ? low : 1;
+    }
+    return SERVED;
+}
+
+/* After the lock: the dense blobs of `plan` verified and decoded (into `frames`, FRAME_BYTES
+ * each), their pages copied out. SERVED or UP_CORRUPT (Python reads it again, counts the
+ * mismatch and answers EIO). */
+int finish_read(const ReadPlan *plan, const uint8_t *scratch, int checksums, void *dctx,
+                uint8_t *frames, uint8_t *out, uint64_t count) {
+    for (uint32_t j = 0; j < plan->njobs; j++) {
+        const FrameJob *job = &plan->jobs[j];
+        const uint8_t *stored = scratch + job->at;
+        if (checksums && (uint32_t)XXH3_64bits(stored, job->len) != job->csum)
+            return UP_CORRUPT;
+        size_t want = (size_t)job->pages * PAGE;
+        size_t got = ZSTD_decompressDCtx(dctx, frames + (size_t)j * FRAME_BYTES, want, stored,
+                                         job->len);
+        if (ZSTD_isError(got) || got != want)
+            return UP_CORRUPT;
+    }
+    for (uint64_t i = 0; i < count; i++) {
+        int16_t j = plan->job_of[i];
+        if (j >= 0)
+            memcpy(out + i * PAGE, frames + (size_t)j * FRAME_BYTES + (size_t)plan->sub_of[i] * PAGE,
+                   PAGE);
+    }
+    return SERVED;
+}
+
+/* Under the lock again: the frames just decoded kept for their neighbours' reads, if their
+ * rows still hold them (Objects.adopt). */
+void cache_frames(const Tables *t, FrameCache *fc, const ReadPlan *plan, const uint8_t *frames,
+                  int nframes) {
+    double when = seconds_now();
+    for (int j = 0; j < nframes; j++) {
+        const FrameJob *job = &plan->jobs[j];
+        if (job->pages < 2 || job->blob >= t->nblobs || t->ref[job->blob] == 0 ||
+            t->gen[job->blob] != job->gen || cache_find(fc, job->blob, job->gen) >= 0)
+            continue;
+        if (fc->data == NULL) {
+            void *m = mmap(NULL, (size_t)FRAME_CACHE_ENTRIES * FRAME_BYTES, PROT_READ | PROT_WRITE,
+                           MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            if (m == MAP_FAILED)
+                return;
+            madvise(m, (size_t)FRAME_CACHE_ENTRIES * FRAME_BYTES, MADV_DONTDUMP);
+            fc->data = m;
+        }
+        int victim = 0;
+        for (int c = 0; c < FRAME_CACHE_ENTRIES; c++) {
+            if (!fc->valid[c]) {
+                victim = c;
+                break;
+            }
+            if (fc->used[c] < fc->used[victim])
+                victim = c;
+        }
+        memcpy(fc->data + (size_t)victim * FRAME_BYTES, frames + (size_t)j * FRAME_BYTES,
+               (size_t)job->pages * PAGE);
+        fc->blob[victim] = job->blob;
+        fc->gen[victim] = job->gen;
+        fc->valid[victim] = 1;
+        fc->resident[victim] = 1;
+        fc->used[victim] = when;
+    }
+}
+
+/* HotCache.drop_idle for the native frame cache: entries not used for `idle` seconds go,
+ * and their memory goes back to the kernel. Under the lock. */
+void frame_cache_drop_idle(FrameCache *fc, double idle) {
+    if (fc->data == NULL)
+        return;
+    double cutoff = seconds_now() - idle;
+    for (int c = 0; c < FRAME_CACHE_ENTRIES; c++) {
+        if (fc->valid[c] && fc->used[c] > cutoff)
+            continue;
+        fc->valid[c] = 0;
+        if (fc->resident[c]) {
+            madvise(fc->data + (size_t)c * FRAME_BYTES, FRAME_BYTES, MADV_DONTNEED);
+            fc->resident[c] = 0;
+        }
+    }
+}
+
+uint64_t frame_cache_bytes(const FrameCache *fc) {
+    uint64_t n = 0;
+    for (int c = 0; c < FRAME_CACHE_ENTRIES; c++)
+        n += fc->resident[c];
+    return n * FRAME_BYTES;
+}
+
+/* -- the pool (store.pool.Pool) --------------------------------------------------------- */
+
+static uint8_t *cell_addr(const Tables *t, int32_t a, uint32_t cell) {
+    return (uint8_t *)(uintptr_t)(t->a_addr[a] + (uint64_t)cell * t->class_cell[t->a_class[a]]);
+}
+
+/* Pool.class_for, for a stored length of 1..PAGE */
+static uint64_t class_for(const Tables *t, uint16_t len) {
+    if (len <= MAX_COMPRESSED)
+        return (uint64_t)(len - 1) / 32;
+    uint64_t lo = t->first_large, hi = t->nclasses - 1;
+    while (lo < hi) {
+        uint64_t mid = (lo + hi) / 2;
+        if (t->class_cell[mid] >= len)
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    return lo;
+}
+
+static int64_t touched(uint32_t cell_size, uint64_t cells) { /* Pool._touched */
+    return (int64_t)((cells * cell_size + PAGE - 1) / PAGE * PAGE);
+}
+
+static void partial_add(Tables *t, int32_t a) { /* Pool._partial_add */
+    if (t->a_flags[a] & ARENA_PARTIAL)
+        return;
+    int16_t c = t->a_class[a];
+    int32_t head = t->class_head[c];
+    t->a_next[a] = head;
+    t->a_prev[a] = NO_ARENA;
+    if (head != NO_ARENA)
+        t->a_prev[head] = a;
+    t->class_head[c] = a;
+    t->a_flags[a] |= ARENA_PARTIAL;
+}
+
+static void partial_remove(Tables *t, int32_t a) { /* Pool._partial_remove */
+    if (!(t->a_flags[a] & ARENA_PARTIAL))
+        return;
+    int32_t prev = t->a_prev[a], next = t->a_next[a];
+    if (prev != NO_ARENA)
+        t->a_next[prev] = next;
+    else
+        t->class_head[t->a_class[a]] = next;
+    if (next != NO_ARENA)
+        t->a_prev[next] = prev;
+    t->a_flags[a] &= (uint8_t)~ARENA_PARTIAL;
+}
+
+/* Pool.alloc, from arena `a` (its class's head: it has a free cell) */
+static uint32_t pool_alloc(Tables *t, int32_t a, uint64_t cls) {
+    uint32_t cs = t->class_cell[cls];
+    uint32_t cell = t->a_free_head[a];
+    if (cell != NO_CELL) {
+        uint32_t next;
+        memcpy(&next, cell_addr(t, a, cell), 4);
+        t->a_free_head[a] = next;
+    } else {
+        cell = t->a_bump[a]++;
+        t->pool_state[POOL_RESIDENT] += touched(cs, cell + 1) - touched(cs, cell);
+    }
+    int32_t used = ++t->a_used[a];
+    if ((uint32_t)used == t->class_cells[cls])
+        partial_remove(t, a);
+    t->pool_state[POOL_LIVE_BYTES] += cs;
+    t->pool_state[POOL_LIVE_CELLS] += 1;
+    return cell;
+}
+
+/* Pool._new_arena: an arena mapped for class `cls`, at the head of its list; NO_ARENA when
+ * the pool is at its cap (Python's write goes to the disk tier), the arena books are full
+ * (the maintainer grows them ahead of need: Pool.wanted) or the kernel refuses. */
+static int32_t new_arena(Tables *t, uint64_t cls) {
+    int64_t *ps = t->pool_state;
+    uint32_t size = t->class_arena[cls];
+    if (ps[POOL_ALLOCATED] + size > ps[POOL_MAX_SIZE])
+        return NO_ARENA;
+    int64_t id = ps[POOL_FREE_ID];
+    if (id == NO_ARENA && (uint64_t)ps[POOL_IDS] >= t->narenas)
+        return NO_ARENA;
+    void *addr = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (addr == MAP_FAILED)
+        return NO_ARENA;
+    madvise(addr, size, MADV_DONTDUMP); /* tenants' pages in the clear (pool.map_arena) */
+    if (id != NO_ARENA) {
+        ps[POOL_FREE_ID] = t->a_next[id];
+    } else {
+        id = ps[POOL_IDS];
+        ps[POOL_IDS] = id + 1;
+    }
+    t->a_class[id] = (int16_t)cls;
+    t->a_addr[id] = (uint64_t)(uintptr_t)addr;
+    t->a_used[id] = 0;
+    t->a_free_head[id] = NO_CELL;
+    t->a_bump[id] = 0;
+    t->a_flags[id] = 0;
+    ps[POOL_ALLOCATED] += size;
+    ps[POOL_ARENAS] += 1;
+    partial_add(t, (int32_t)id);
+    return (int32_t)id;
+}
+
+static void release_arena(Tables *t, int32_t a) { /* Pool._release_arena */
+    partial_remove(t, a);
+    int16_t cls = t->a_class[a];
+    uint32_t size = t->class_arena[cls];
+    munmap((void *)(uintptr_t)t->a_addr[a], size);
+    int64_t *ps = t->pool_state;
+    t->a_addr[a] = 0;
+    t->a_used[a] = 0;
+    t->a_class[a] = -1;
+    t->a_flags[a] = 0;
+    t->a_next[a] = (int32_t)ps[POOL_FREE_ID];
+    ps[POOL_FREE_ID] = a;
+    ps[POOL_ALLOCATED] -= size;
+    ps[POOL_RESIDENT] -= touched(t->class_cell[cls], t->a_bump[a]);
+    ps[POOL_ARENAS] -= 1;
+}
+
+/* Pool.free */
+static void pool_free(Tables *t, int32_t a, uint32_t cell) {
+    int32_t used = t->a_used[a];
+    if (used <= 0 || t->a_addr[a] == 0)
+        return; /* cannot happen: a blob's cell is live (store.check() would say) */
+    int16_t cls = t->a_class[a];
+    uint32_t cs = t->class_cell[cls];
+    t->pool_state[POOL_LIVE_BYTES] -= cs;
+    t->pool_state[POOL_LIVE_CELLS] -= 1;
+    if (used == 1) {
+        release_arena(t, a);
+        return;
+    }
+    uint32_t next = t->a_free_head[a];
+    memcpy(cell_addr(t, a, cell), &next, 4);
+    t->a_free_head[a] = cell;
+    t->a_used[a] = used - 1;
+    if ((uint32_t)used == t->class_cells[cls] && !(t->a_flags[a] & ARENA_EVACUATING))
+        partial_add(t, a);
+}
+
+/* -- the dedup index (store.dedup.DedupIndex) -------------------------------------------- */
+
+static uint32_t index_key(uint64_t lo) { /* dedup.index_key */
+    uint32_t key = (uint32_t)(lo >> 32);
+    return key > FP_TOMBSTONE ? key : key + 2;
+}
+
+static uint16_t fingerprint(uint32_t key) { /* dedup.fingerprint */
+    uint16_t fp = (uint16_t)(key & 0xFFFF);
+    return fp > FP_TOMBSTONE ? fp : (uint16_t)(fp + 2);
+}
+
+static uint64_t home(const Tables *t, uint32_t key) {
+    return ((uint64_t)key * t->icap) >> 32;
+}
+
+/* DedupIndex.insert, without inline growth (a maintainer grows the table) */
+static void index_insert(Tables *t, const WriteParams *p, uint32_t key, uint32_t value) {
+    int64_t *st = t->index_state;
+    if (!p->dedup) {
+        st[INDEX_UNINDEXED] += 1;
+        return;
+    }
+    if ((double)(st[INDEX_COUNT] + st[INDEX_TOMBSTONES] + 1) > INDEX_MAX_LOAD * (double)t->icap) {
+        st[INDEX_UNINDEXED] += 1;
+        st[INDEX_STARVED] = 1;
+        return;
+    }
+    uint16_t fp = fingerprint(key);
+    uint64_t pos = home(t, key);
+    int64_t free = -1;
+    int same = 0;
+    for (int i = 0; i < MAX_PROBE; i++) { /* DedupIndex._place */
+        uint16_t k = t->fps[pos];
+        if (k == fp) {
+            if (++same >= MAX_CANDIDATES) {
+                st[INDEX_UNINDEXED] += 1;
+                return;
+            }
+        } else if (k <= FP_TOMBSTONE && free < 0) {
+            free = (int64_t)pos;
+        }
+        if (k == FP_EMPTY)
+            break;
+        if (++pos == t->icap)
+            pos = 0;
+    }
+    if (free < 0) {
+        st[INDEX_UNINDEXED] += 1;
+        return;
+    }
+    if (t->fps[free] == FP_TOMBSTONE)
+        st[INDEX_TOMBSTONES] -= 1;
+    t->fps[free] = fp;
+    t->vals[free] = value;
+    st[INDEX_COUNT] += 1;
+}
+
+static void index_remove(Tables *t, uint32_t key, uint32_t value) { /* DedupIndex.remove */
+    uint16_t fp = fingerprint(key);
+    uint64_t pos = home(t, key);
+    for (int i = 0; i < MAX_PROBE; i++) {
+        uint16_t k = t->fps[pos];
+        if (k == FP_EMPTY)
+            break;
+        if (k == fp && t->vals[pos] == value) {
+            t->fps[pos] = FP_TOMBSTONE;
+            t->index_state[INDEX_COUNT] -= 1;
+            t->index_state[INDEX_TOMBSTONES] += 1;
+            return;
+        }
+        if (++pos == t->icap)
+            pos = 0;
+    }
+    t->index_state[INDEX_UNINDEXED] -= 1;
+}
+
+/* -- blobs (store.blobs.BlobTable, store.objects.Objects) --------------------------------- */
+
+static void ref_blob(Tables *t, uint32_t blob) { /* Objects.ref */
+    t->ref[blob] += 1;
+    t->codec_pages[t->codec[blob]] += 1;
+}
+
+/* Objects.release: one reference fewer; with the last, the blob and its books go (a cached
+ * copy needs no word: the caches are keyed by the row's generation, which this bumps). The
+ * caller has made sure the blob is in the pool. */
+static void release(Tables *t, uint32_t blob) {
+    t->codec_pages[t->codec[blob]] -= 1;
+    uint32_t ref = t->ref[blob] - 1;
+    if (ref > 0) {
+        t->ref[blob] = ref;
+        return;
+    }
+    for (uint32_t sub = 0; sub < t->pages[blob]; sub++)
+        index_remove(t, t->members[(uint64_t)blob * t->stride + sub], blob << SUB_BITS | sub);
+    pool_free(t, t->arena[blob], t->cell[blob]);
+    /* BlobTable.delete */
+    t->ref[blob] = 0;
+    t->gen[blob] += 1;
+    t->arena[blob] = (int32_t)t->blob_state[BLOB_FREE_HEAD];
+    t->blob_state[BLOB_FREE_HEAD] = blob;
+    t->blob_state[BLOB_COUNT] -= 1;
+}
+
+/* Placer.store_warm -> Objects.new_page -> BlobTable.new: a warm one-page blob in a pool
+ * cell with one reference, or NO_BLOB with nothing changed when there is no room (the pool
+ * at its cap, no free blob row or arena id: Python's). */
+static uint32_t new_warm(Tables *t, const WriteParams *p, const WritePage *w, int64_t now) {
+    int64_t *bs = t->blob_state;
+    uint64_t next = (uint64_t)bs[BLOB_NEXT_UNUSED];
+    if (bs[BLOB_FREE_HEAD] < 0 && (next >= t->nblobs || next >= p->max_blobs))
+        return NO_BLOB; /* the maintainer grows the table ahead of need */
+    uint64_t cls = class_for(t, w->len);
+    int32_t a = t->class_head[cls];
+    if (a == NO_ARENA && (a = new_arena(t, cls)) == NO_ARENA)
+        return NO_BLOB;
+    uint32_t blob;
+    if (bs[BLOB_FREE_HEAD] >= 0) {
+        blob = (uint32_t)bs[BLOB_FREE_HEAD];
+        bs[BLOB_FREE_HEAD] = t->arena[blob];
+    } else {
+        blob = (uint32_t)next;
+        bs[BLOB_NEXT_UNUSED] = (int64_t)next + 1;
+    }
+    uint32_t cell = pool_alloc(t, a, cls);
+    memcpy(cell_addr(t, a, cell), w->stored, w->len);
+    t->arena[blob] = a;
+    t->cell[blob] = cell;
+    t->length[blob] = w->len;
+    t->pages[blob] = 1;
+    t->codec[blob] = w->codec;
+    t->dict_id[blob] = 0;
+    t->ref[blob] = 1;
+    t->tier[blob] = TIER_POOL;
+    t->atime[blob] = (uint32_t)now;
+    t->rtime[blob] = 0;
+    t->csum[blob] = w->csum;
+    t->form[blob] = FORM_WARM;
+    bs[BLOB_COUNT] += 1;
+    t->members[(uint64_t)blob * t->stride] = w->key;
+    index_insert(t, p, w->key, blob << SUB_BITS);
+    t->codec_pages[w->codec] += 1;
+    return blob;
+}
+
+/* Placer.lookup: a stored page equal to `page`: 1 (found: *blob, *sub), 0 (none), or -1
+ * with *reason when a candidate is one the native side cannot compare (a frame, a disk
+ * blob: Python's frame cache and disk tier) or does not verify. */
+static int lookup(const Tables *t, int checksums, const WritePage *w, const uint8_t *page,
+                  uint32_t *blob, uint8_t *sub, uint64_t *compares, uint64_t *collisions,
+                  int *reason) {
+    uint8_t decoded[PAGE];
+    uint16_t fp = fingerprint(w->key);
+    uint64_t pos = home(t, w->key);
+    int tried = 0;
+    for (int i = 0; i < MAX_PROBE; i++) {
+        uint16_t k = t->fps[pos];
+        if (k == FP_EMPTY)
+            return 0;
+        if (k == fp) {
+            if (tried++ >= MAX_CANDIDATES)
+                return 0;
+            uint32_t value = t->vals[pos];
+            uint32_t b = value >> SUB_BITS;
+            uint8_t s = (uint8_t)(value & ((1u << SUB_BITS) - 1));
+            if (b < t->nblobs && s < t->stride &&
+                t->members[(uint64_t)b * t->stride + s] == w->key) {
+                const uint8_t *src = servable(t, b);
+                if (src == NULL || s != 0) {
+                    *reason = UP_WRITE_DEDUP;
+                    return -1;
+                }
+                *compares += 1;
+                if (!decode_page(t, checksums, b, src, decoded)) {
+                    *reason = UP_CORRUPT;
+                    return -1;
+                }
+                if (memcmp(decoded, page, PAGE) == 0) {
+                    *blob = b;
+                    *sub = s;
+                    return 1;
+                }
+                *collisions += 1;
+            }
+        }
+        if (++pos == t->icap)
+            pos = 0;
+    }
+    return 0;
+}
+
+/* -- writes ---------------------------------------------------------------------------- */
+
+/* Placer.prepare for the warm form, without the lock (and without the GIL): for each page,
+ * same-filled or not, its keyed hash, an equal earlier page of the request, and its stored
+ * bytes (lz4 into `scratch`, MAX_COMPRESSED bytes a page, or the page itself when that
+ * does not pay; `lz4_state` is an LZ4_stream_t's room). SERVED, or UP_WRITE_WORD for a same-filled page other than zero (the words
+ * table is Python's). */
+int prepare_write(const WriteParams *p, const uint8_t *data, uint64_t count, WritePage *wp,
+                  uint8_t *scratch, void *lz4_state) {
+    for (uint64_t i = 0; i < count; i++) {
+        const uint8_t *page = data + i * PAGE;
+        WritePage *w = &wp[i];
+        w->page = page;
+        w->repeat_of = -1;
+        w->blob = NO_BLOB;
+        w->sub = 0;
+        /* placement.same_filled: one 64-bit word repeated <=> the page equals itself
+         * shifted by a word */
+        w->same = memcmp(page, page + 8, PAGE - 8) == 0;
+        if (w->same) {
+            uint64_t word;
+            memcpy(&word, page, 8);
+            if (word != 0)
+                return UP_WRITE_WORD;
+            continue;
+        }
+        w->lo = w->hi = 0; /* placement._NO_HASH: dedup off */
+        if (p->dedup) {
+            XXH128_hash_t h = XXH3_128bits_withSeed(page, PAGE, p->seed);
+            w->lo = h.low64;
+            w->hi = h.high64;
+            /* placement.first_copies: equal hashes are a hint, the bytes decide */
+            for (uint64_t j = 0; j < i; j++) {
+                const WritePage *e = &wp[j];
+                if (!e->same && e->repeat_of < 0 && e->lo == w->lo && e->hi == w->hi &&
+                    memcmp(data + j * PAGE, page, PAGE) == 0) {
+                    w->repeat_of = (int16_t)j;
+                    break;
+                }
+            }
+        }
+        w->key = index_key(w->lo);
+        if (w->repeat_of >= 0)
+            continue;
+        uint8_t *out = scratch + i * MAX_COMPRESSED;
+        /* python-lz4's call (a fresh stream, compress_fast_continue): its output, which
+         * is smaller than one-shot LZ4_compress_fast's on these pages, at the same speed */
+        LZ4_stream_t *stream = LZ4_initStream(lz4_state, sizeof(LZ4_stream_t));
+        int n = LZ4_compress_fast_continue(stream, (const char *)page, (char *)out, PAGE,
+                                           MAX_COMPRESSED, 1);
+        if (n > 0) { /* codecs.pays: it fit in MAX_COMPRESSED */
+            w->stored = out;
+            w->len = (uint16_t)n;
+            w->codec = CODEC_LZ4;
+        } else {
+            w->stored = page;
+            w->len = PAGE;
+            w->codec = CODEC_RAW;
+        }
+        w->csum = p->checksums ? (uint32_t)XXH3_64bits(w->stored, w->len) : 0;
+    }
+    return SERVED;
+}
+
+/* PageStore._pingpong: slots read within hot_threshold_ms (the slot's low 16 bits of its
+ * last read, and its blob's full tick). */
+static uint64_t pingpong(const Tables *t, int64_t hot, int64_t now, uint64_t first,
+                         uint64_t count) {
+    uint64_t n = 0;
+    for (uint64_t s = first; s < first + count; s++) {
+        uint16_t rt = t->srtime[s];
+        if (!rt)
+            continue;
+        if (hot <= TICK_MASK / 2 && ((now - rt) & TICK_MASK) > hot)
+            continue;
+        uint32_t h = t->handle[s];
+        if (h >= t->nblobs)
+            continue;
+        int64_t blob_rt = t->rtime[h];
+        if (blob_rt > 0 && now - blob_rt <= hot)
+            n++;
+    }
+    return n;
+}
+
+/* PageStore._write_pages for `count` prepared pages at slot `first`, under the lock:
+ * SERVED, or a hand-up reason with the books exactly as they were (ticks aside). As in
+ * Python, every new page gets its home first (staged); only then are the old contents
+ * released and the slots switched. */
+int native_write(Tables *t, const WriteParams *p, StoreCounters *c, int64_t now,
+                 uint64_t first, uint64_t count, WritePage *wp) {
+    if (first + count > t->nslots || count > MAX_PAGES)
+        return UP_SHAPE;
+    /* 1. what the slots hold now must be ours to release: pool blobs, the zero word */
+    for (uint64_t s = first; s < first + count; s++) {
+        uint8_t kind = t->kind[s];
+        uint32_t h = t->handle[s];
+        if (kind == KIND_SAME) {
+            if (h != 0)
+                return UP_WRITE_WORD;
+        } else if (kind == KIND_BLOB) {
+            if (h >= t->nblobs || t->ref[h] == 0)
+                return UP_CORRUPT;
+            if (t->tier[h] != TIER_POOL)
+                return UP_WRITE_DISK;
+        } else if (kind != KIND_EMPTY) {
+            return UP_CORRUPT;
+        }
+    }
+    /* 2. dedup: stored pages equal to new ones (nothing changes here; the counts are
+     * kept until the request is served, so a hand-up does not count twice) */
+    uint64_t compares = 0, collisions = 0, hits = 0, pp = 0;
+    for (uint64_t i = 0; p->dedup && i < count; i++) {
+        WritePage *w = &wp[i];
+        if (w->same || w->repeat_of >= 0)
+            continue;
+        int reason = SERVED;
+        int found = lookup(t, p->checksums, w, w->page, &w->blob, &w->sub, &compares,
+                           &collisions, &reason);
+        if (found < 0)
+            return reason;
+        if (!found)
+            w->blob = NO_BLOB;
+    }
+    /* 3. stage: one reference per page, new warm blobs for the pages not found */
+    uint32_t staged[MAX_PAGES];
+    uint64_t nstaged = 0;
+    for (uint64_t i = 0; i < count; i++) {
+        WritePage *w = &wp[i];
+        if (w->same || w->repeat_of >= 0)
+            continue;
+        if (w->blob != NO_BLOB) { /* Placer.lookup's share */
+            ref_blob(t, w->blob);
+            t->atime[w->blob] = (uint32_t)now;
+            hits++;
+            int64_t rt = t->rtime[w->blob];
+            if (rt && now - rt <= p->hot_ticks)
+                pp++; /* the same content came back right after a read */
+        } else {
+            w->blob = new_warm(t, p, w, now);
+            w->sub = 0;
+            if (w->blob == NO_BLOB) {
+                for (uint64_t k = 0; k < nstaged; k++)
+                    release(t, staged[k]);
+                ring_doorbell(p, c, now);
+                return UP_WRITE_ROOM;
+            }
+        }
+        staged[nstaged++] = w->blob;
+    }
+    for (uint64_t i = 0; i < count; i++) {
+        WritePage *w = &wp[i];
+        if (w->same || w->repeat_of < 0)
+            continue;
+        const WritePage *e = &wp[w->repeat_of];
+        w->blob = e->blob;
+        w->sub = e->sub;
+        ref_blob(t, w->blob);
+        hits++;
+    }
+    /* 4. ping-pong, the old contents released, the slots switched (PageStore._write_pages:
+     * _pingpong, _release_slots, SlotTable.fill) */
+    pp += pingpong(t, p->hot_ticks, now, first, count);
+    int64_t same = 0;
+    for (uint64_t i = 0; i < count; i++) {
+        uint64_t s = first + i;
+        uint8_t kind = t->kind[s];
+        if (kind == KIND_BLOB)
+            release(t, t->handle[s]);
+        else if (kind == KIND_SAME)
+            same--;
+        WritePage *w = &wp[i];
+        uint8_t nkind = w->same ? KIND_SAME : KIND_BLOB;
+        t->chunk_live[s / CHUNK_SLOTS] += (kind == KIND_EMPTY);
+        t->chunk_touched[s / CHUNK_SLOTS] = 1;
+        t->chunk_written[s / CHUNK_SLOTS] = 1;
+        t->kind[s] = nkind;
+        t->handle[s] = w->same ? 0 : w->blob;
+        t->sub[s] = w->same ? 0 : w->sub;
+        t->srtime[s] = 0;
+        same += w->same;
+    }
+    t->slot_state[0] += same;
+    atomic_fetch_add(&c->writes, 1);
+    atomic_fetch_add(&c->pages_written, count);
+    atomic_fetch_add(&c->bytes_written, count * PAGE);
+    atomic_fetch_add(&c->dedup_hits, hits);
+    atomic_fetch_add(&c->dedup_compares, compares);
+    atomic_fetch_add(&c->hash_collisions, collisions);
+    atomic_fetch_add(&c->pingpong, pp);
+    /* the maintainer, now rather than at its next round: the pool past its threshold, the
+     * index, the blob table or the arena books near full */
+    const int64_t *is = t->index_state;
+    if (t->pool_state[POOL_ALLOCATED] >= p->reclaim_bytes ||
+        (double)(is[INDEX_COUNT] + is[INDEX_TOMBSTONES] + 1) > INDEX_AHEAD_LOAD * (double)t->icap ||
+        (double)t->blob_state[BLOB_NEXT_UNUSED] > BLOB_GROW_AHEAD * (double)t->nblobs ||
+        (double)t->pool_state[POOL_IDS] > ARENA_GROW_AHEAD * (double)t->narenas)
+        ring_doorbell(p, c, now);
+    return SERVED;
+}
+
+void ring_doorbell(const WriteParams *p, StoreCounters *c, int64_t now) {
+    if (p->doorbell < 0 || atomic_exchange(&c->last_ring, now) == now)
+        return; /* rung this tick already */
+    uint64_t one = 1;
+    ssize_t n = write(p->doorbell, &one, sizeof one);
+    (void)n; /* EAGAIN: the counter is saturated, rung enough */
+}
+
+/* -- packing (store.recompress) ------------------------------------------------------------ */
+
+#define PACK_MAX 256 /* recompress.CHUNK_PAGES */
+
+typedef struct {
+    uint32_t blob, gen, csum, key, atime, rtime;
+    uint64_t slot;
+    uint16_t len;
+    uint8_t codec;
+    uint8_t ok;  /* copied and decoded */
+    uint8_t bad; /* its bytes did not verify or decode */
+} PackPage;
+
+/* Recompressor._unchanged for a blob held by one slot: still the warm page the pick saw. */
+static int pack_unchanged(const Tables *t, uint32_t blob, uint32_t gen, uint64_t slot) {
+    return blob < t->nblobs && t->ref[blob] == 1 && t->gen[blob] == gen &&
+           t->form[blob] == FORM_WARM && t->tier[blob] == TIER_POOL && t->pages[blob] == 1 &&
+           slot < t->nslots && t->kind[slot] == KIND_BLOB && t->handle[slot] == blob &&
+           t->sub[slot] == 0;
+}
+
+/* Recompressor.pass_once's pick, decode, compress and switch for warm blobs held by one slot
+ * each: under the lock the pages still as picked are copied; without it they are verified,
+ * decoded and compressed in groups of `frame_pages` (in the order given: slot order); under
+ * it again each group whose pages are all unchanged becomes one dense frame (or a dense
+ * page alone, for a group of one) and the warm blobs go (Objects.release). A group that
+ * changed meanwhile is left as it is (raced); one that does not pay keeps its pages as they
+ * are, marked dense so that they are not picked again (kept, and counted as switched: they
+ * are in their dense form); a page that does not verify is
+ * marked dense and left to the reads (bad). Returns SERVED, or UP_WRITE_ROOM when the pool
+ * had no room for a frame (the rest stays warm). */
+int native_pack(Tables *t, const WriteParams *p, void *lock, const uint32_t *blobs,
+                const uint32_t *gens, const uint64_t *slots, uint64_t n, int frame_pages,
+                void *cctx, void *dctx, PackResult *r) {
+    pthread_mutex_t *mu = lock;
+    memset(r, 0, sizeof *r);
+    if (n > PACK_MAX)
+        n = PACK_MAX;
+    if (frame_pages < 1 || frame_pages > MAX_FRAME_PAGES || n == 0)
+        return SERVED;
+    PackPage *pp = calloc(n, sizeof *pp);
+    uint8_t *in = malloc(n * PAGE);        /* stored bytes as copied */
+    uint8_t *dec = malloc(n * PAGE);       /* decoded pages */
+    uint8_t *frame = malloc(FRAME_BYTES);  /* one group's pages, contiguous */
+    uint8_t *out = malloc(n * PAGE);       /* compressed groups, at their first page's place */
+    size_t *outlen = calloc(n, sizeof *outlen);
+    int result = SERVED;
+    if (!pp || !in || !dec || !frame || !out || !outlen) {
+        result = UP_WRITE_ROOM;
+        goto done;
+    }
+    /* 1. copy, under the lock */
+    pthread_mutex_lock(mu);
+    for (uint64_t i = 0; i < n; i++) {
+        PackPage *q = &pp[i];
+        q->blob = blobs[i];
+        q->gen = gens[i];
+        q->slot = slots[i];
+        const uint8_t *src;
+        if (!pack_unchanged(t, q->blob, q->gen, q->slot) || !(src = servable(t, q->blob)))
+            continue;
+        q->len = t->length[q->blob];
+        q->codec = t->codec[q->blob];
+        q->csum = t->csum[q->blob];
+        q->key = t->members[(uint64_t)q->blob * t->stride];
+        q->atime = t->atime[q->blob];
+        q->rtime = t->rtime[q->blob];
+        memcpy(in + i * PAGE, src, q->len);
+        q->ok = 1;
+    }
+    pthread_mutex_unlock(mu);
+    /* 2. verify and decode, without it */
+    uint64_t good[PACK_MAX], ngood = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        PackPage *q = &pp[i];
+        if (!q->ok)
+            continue;
+        const uint8_t *stored = in + i * PAGE;
+        int fine = !p->checksums || (uint32_t)XXH3_64bits(stored, q->len) == q->csum;
+        if (fine && q->codec == CODEC_RAW)
+            memcpy(dec + i * PAGE, stored, PAGE);
+        else if (fine)
+            fine = LZ4_decompress_safe((const char *)stored, (char *)(dec + i * PAGE), q->len,
+                                       PAGE) == PAGE;
+        if (!fine) {
+            q->ok = 0;
+            q->bad = 1;
+            continue;
+        }
+        good[ngood++] = i;
+    }
+    /* 3. compress the groups (runs of frame_pages good pages, in order), without it */
+    for (uint64_t g = 0; g < ngood; g += (uint64_t)frame_pages) {
+        uint64_t m = ngood - g < (uint64_t)frame_pages ? ngood - g : (uint64_t)frame_pages;
+        for (uint64_t k = 0; k < m; k++)
+            memcpy(frame + k * PAGE, dec + good[g + k] * PAGE, PAGE);
+        size_t cap = m * MAX_COMPRESSED; /* codecs.pays */
+        size_t len = ZSTD_compress2(cctx, out + good[g] * PAGE, cap, frame, m * PAGE);
+        outlen[good[g]] = ZSTD_isError(len) ? 0 : len;
+    }
+    (void)dctx;
+    /* 4. switch, under the lock again */
+    pthread_mutex_lock(mu);
+    for (uint64_t g = 0; g < ngood; g += (uint64_t)frame_pages) {
+        uint64_t m = ngood - g < (uint64_t)frame_pages ? ngood - g : (uint64_t)frame_pages;
+        int same = 1;
+        for (uint64_t k = 0; k < m && same; k++) {
+            const PackPage *q = &pp[good[g + k]];
+            same = pack_unchanged(t, q->blob, q->gen, q->slot);
+        }
+        if (!same) {
+            r->raced++;
+            continue;
+        }
+        size_t len = outlen[good[g]];
+        if (len == 0) {
+            /* does not pay: the pages stay as they are, dense from now on (Python stores
+             * them alone, raw where they are raw: the same, in new rows) */
+            for (uint64_t k = 0; k < m; k++)
+                t->form[pp[good[g + k]].blob] = FORM_DENSE;
+            r->kept += m;
+            r->switched += m;
+            continue;
+        }
+        uint64_t cls = class_for(t, (uint16_t)len);
+        int32_t a = t->class_head[cls];
+        if (a == NO_ARENA && (a = new_arena(t, cls)) == NO_ARENA) {
+            result = UP_WRITE_ROOM; /* the pool is at its cap: demotion comes next */
+            break;
+        }
+        uint32_t cell = pool_alloc(t, a, cls);
+        memcpy(cell_addr(t, a, cell), out + good[g] * PAGE, len);
+        uint32_t atime = 0, rtime = 0;
+        for (uint64_t k = 0; k < m; k++) {
+            const PackPage *q = &pp[good[g + k]];
+            atime = q->atime > atime ? q->atime : atime; /* the pages keep their age */
+            rtime = q->rtime > rtime ? q->rtime : rtime; /* and their last read */
+            release(t, q->blob);
+        }
+        /* a row the warm pages just freed: the frames fill the table from below */
+        int64_t *bs = t->blob_state;
+        uint32_t blob = (uint32_t)bs[BLOB_FREE_HEAD];
+        bs[BLOB_FREE_HEAD] = t->arena[blob];
+        t->arena[blob] = a;
+        t->cell[blob] = cell;
+        t->length[blob] = (uint16_t)len;
+        t->pages[blob] = (uint8_t)m;
+        t->codec[blob] = CODEC_ZSTD;
+        t->dict_id[blob] = 0;
+        t->ref[blob] = (uint32_t)m;
+        t->tier[blob] = TIER_POOL;
+        t->atime[blob] = atime;
+        t->rtime[blob] = rtime;
+        t->csum[blob] = p->checksums ? (uint32_t)XXH3_64bits(out + good[g] * PAGE, len) : 0;
+        t->form[blob] = FORM_DENSE;
+        bs[BLOB_COUNT] += 1;
+        for (uint64_t k = 0; k < m; k++) {
+            const PackPage *q = &pp[good[g + k]];
+            t->members[(uint64_t)blob * t->stride + k] = q->key;
+            index_insert(t, p, q->key, blob << SUB_BITS | (uint32_t)k);
+            t->handle[q->slot] = blob;
+            t->sub[q->slot] = (uint8_t)k;
+        }
+        t->codec_pages[CODEC_ZSTD] += (int64_t)m;
+        r->switched += m;
+    }
+    for (uint64_t i = 0; i < n; i++) { /* unreadable: leave it to the reads (EIO) */
+        const PackPage *q = &pp[i];
+        if (q->bad && pack_unchanged(t, q->blob, q->gen, q->slot)) {
+            t->form[q->blob] = FORM_DENSE;
+            r->bad++;
+        }
+    }
+    pthread_mutex_unlock(mu);
+done:
+    free(pp);
+    free(in);
+    free(dec);
+    free(frame);
+    free(out);
+    free(outlen);
+    return result;
+}
