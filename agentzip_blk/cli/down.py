@@ -51,6 +51,10 @@ def _watch(run_dir: str, log_every: float = 10.0):
     device = state.device if state is not None else None
     if not device or procfs.swap_area(device) is None:
         return contextlib.nullcontext()
+    # state.json is no proof (docs/SECURITY.md): report on no swap area that is not shown to
+    # be ours, since `down` refuses to swap it off and a report would say it did
+    if not attach.device_is_ours(state):
+        return contextlib.nullcontext()
     if progress.enabled():
         report = progress.swapoff_bar(device)
         watch = progress.SwapoffWatch(device, report)

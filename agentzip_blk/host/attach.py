@@ -21,8 +21,8 @@ from ..config.quantities import format_bytes
 from ..datapath import control
 from ..errors import DeviceError, SetupError
 from . import facts
-from .chain import (check_up_preconditions, liveness, resolve_frontend, stray_loops, sweep,
-                    teardown, up_steps, write_effective_config)
+from .chain import (check_up_preconditions, foreign_device, liveness, resolve_frontend,
+                    stray_loops, sweep, teardown, up_steps, write_effective_config)
 from .health import health
 from .procs import STOPPED_STATES, ours_alive, wait_gone
 from .runstate import (DEFAULT_PRIORITY, STATE_FILE, RunState, config_device, locked,
@@ -288,6 +288,14 @@ def _owned(state: RunState, config, timeout: float) -> tuple[str | None, TierFil
                     TierFile.from_reply(reply.get("tier")))
     path = config.pool.swap_out_path if config is not None else None
     return None, (TierFile(path) if path else None)
+
+
+def device_is_ours(state: RunState, timeout: float = 5.0) -> bool:
+    """Whether ``state.device`` is shown to be this chain's: the server says it serves it, or
+    the kernel ties it to this chain (chain.foreign_device). What `down`'s progress report may
+    watch: state.json alone may name any swap area, which `down` then refuses to touch."""
+    served, _ = _owned(state, None, timeout)
+    return foreign_device(state, served) is None
 
 
 def _release_cgroups(run_dir: str) -> str:
