@@ -16,6 +16,7 @@ APT_TEST_PACKAGES=(libnbd-bin python3-libnbd  # nbdfuse (the nbdfuse front door)
               fio stress-ng gcc libfuse3-dev  # tests/reliability: fio, stress-ng, failfs (FUSE); gcc: the mlock shim
               systemd openssl  # test_systemd_units: systemd-analyze verify (no PID 1 needed); test_k8s: TLS cert
               lintian groff-base man-db  # tests/test_deb.py: lintian on the .deb, its man page rendered
+              zsh fish  # tests/test_deb.py: the packaged zsh and fish completions load and complete
               prometheus)  # tests/fleet/test_prometheus.py: promtool check rules / test rules / check metrics
 # tests/test_deb.py: the packaged CLI runs on Debian's python3-* (the .deb's Depends). Installed
 # after the venv: the venv sees the system's packages (for python3-libnbd), and pip takes a

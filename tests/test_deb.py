@@ -133,10 +133,16 @@ def test_the_file_list_holds_what_a_host_needs(deb):
         f"{LIB}/libagentzip-mlock.so",  # prebuilt: `up` compiles nothing
         "etc/agentzip/config.yaml",
         "usr/share/man/man1/agentzip-blk.1.gz",
+        "usr/share/man/man5/agentzip-blk.yaml.5.gz",  # the config file's page
         "usr/share/bash-completion/completions/agentzip-blk",
+        "usr/share/zsh/vendor-completions/_agentzip-blk",
+        "usr/share/fish/vendor_completions.d/agentzip-blk.fish",
         "usr/share/doc/agentzip-blk/copyright",
         "usr/share/doc/agentzip-blk/changelog.gz",
         "usr/share/doc/agentzip-blk/README.md",  # the units' Documentation=file:
+        "usr/share/agentzip-blk/grafana-dashboard.json",  # for the monitoring side to import
+        "usr/share/agentzip-blk/prometheus-alerts.yaml",
+        "usr/share/doc/agentzip-blk/examples/agentzip-blk-metrics-nonroot.conf",
         *dicts,
         *(f"usr/lib/systemd/system/{u}" for u in UNITS),
     }
@@ -313,6 +319,55 @@ def test_the_bash_completion_loads_and_completes_subcommands(installed):
     assert set(r.stdout.split()) >= {"status", "stats"}, r.stdout + r.stderr
 
 
+def test_the_config_man_page_documents_every_key_with_its_default(installed):
+    from agentzip_blk.config import reference
+    page = installed / "usr/share/man/man5/agentzip-blk.yaml.5.gz"
+    src = gzip.decompress(page.read_bytes())
+    if shutil.which("groff"):
+        r = subprocess.run(["groff", "-man", "-Tutf8", "-ww", "-z"], input=src,
+                           capture_output=True, timeout=60)
+        assert r.returncode == 0 and not r.stderr, r.stderr
+    r = run(["man", "-l", "-Tutf8", str(page)], env=dict(os.environ, MANWIDTH="200"))
+    assert r.returncode == 0, r.stderr
+    text = re.sub(r".\x08", "", r.stdout)
+    assert "AGENTZIP-BLK.YAML(5)" in text
+    for k in reference.KEYS:
+        if k.name == "scopes":
+            continue
+        section, key = k.name.split(".")
+        default = reference.value_text(k.name, reference.default_of(k.name))
+        assert re.search(rf"^\s+{key} \(default {re.escape(default)}\)$", text, re.M), k.name
+        assert section.upper() in text
+    # agentzip-blk(1) points at it
+    one = gzip.decompress((installed / "usr/share/man/man1/agentzip-blk.1.gz").read_bytes())
+    assert b"agentzip\\-blk.yaml" in one or b"agentzip-blk.yaml" in one
+
+
+@pytest.mark.skipif(shutil.which("fish") is None, reason="fish missing (apt-get install fish)")
+def test_the_fish_completion_completes_subcommands_and_options(installed):
+    comp = installed / "usr/share/fish/vendor_completions.d/agentzip-blk.fish"
+    r = run(["fish", "--no-config", "-c", f"source {comp}; complete -C 'agentzip-blk st'; "
+             "echo ---; complete -C 'agentzip-blk status --'; echo ---; "
+             "complete -C 'agentzip-blk config '"])
+    assert r.returncode == 0, r.stderr
+    first, options, config = r.stdout.split("---\n")
+    assert {line.split("\t")[0] for line in first.splitlines()} == {"status", "stats"}
+    assert {"--json", "--noheadings", "--run-dir"} <= {line.split("\t")[0] for line in
+                                                       options.splitlines()}
+    assert [line.split("\t")[0] for line in config.splitlines()] == ["show"]
+
+
+@pytest.mark.skipif(shutil.which("zsh") is None, reason="zsh missing (apt-get install zsh)")
+def test_the_zsh_completion_registers_with_compinit(installed):
+    comp_dir = installed / "usr/share/zsh/vendor-completions"
+    assert run(["zsh", "-n", str(comp_dir / "_agentzip-blk")]).returncode == 0
+    r = run(["zsh", "-f", "-c", f"fpath=({comp_dir} $fpath); autoload -U compinit; "
+             "compinit -u -D; print -r -- ${_comps[agentzip-blk]}"])
+    assert r.stdout.strip() == "_agentzip-blk", r.stdout + r.stderr
+    text = (comp_dir / "_agentzip-blk").read_text()
+    assert "status:" in text and "install-units:" in text
+
+
 def test_lintian_reports_no_errors(slow_checks):
     rc, out = collect(slow_checks, "lintian")
     errors = [line for line in out.splitlines() if line.startswith("E:")]
@@ -370,4 +425,89 @@ def test_apt_install_and_purge_in_a_bookworm_chroot(deb):
     finally:
         for m in reversed(mounted):
             run(["umount", str(m)])
+        (root / "tmp" / deb.name).unlink(missing_ok=True)
+
+
+TRIXIE = os.environ.get("AGENTZIP_TEST_TRIXIE_CHROOT")  # debootstrap trixie DIR (Debian 13)
+
+
+@pytest.mark.skipif(not TRIXIE or os.geteuid() != 0,
+                    reason="set AGENTZIP_TEST_TRIXIE_CHROOT to a debootstrapped trixie tree (as "
+                           "root): debootstrap --variant=minbase --include=python3 trixie DIR "
+                           "(~2 min), then libpython3.13-dev in it for the native path")
+def test_the_debian_13_package_installs_serves_and_purges_in_a_trixie_chroot(tmp_path):
+    """`DEB_SUITE=trixie tools/build-deb.sh` on this Debian 12 host: apt in a Debian 13 root
+    resolves its Depends (python3 3.13, numpy 2), the packaged serve runs nbdkit with trixie's
+    libpython3.13 and the vendored zstandard's cp313 backend, pages come back byte for byte,
+    purge leaves nothing. (Run by hand for issue 29: python3 3.13.5, nbdkit 1.42.3, numpy
+    2.2.4; `up` with the FUSE door and the native path, `status` OK, `down` also ran there.)"""
+    nbd = pytest.importorskip("nbd")
+    root = Path(TRIXIE)
+    inc = root / "usr/include/python3.13"
+    env = dict(os.environ, PYTHON=sys.executable, DEB_SUITE="trixie")
+    if (inc / "Python.h").exists():
+        env["PYTHON_INCLUDE"] = f"-I{inc} -idirafter {root / 'usr/include'}"
+    r = run([str(ROOT / "tools/build-deb.sh"), str(tmp_path)], env=env, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    deb = Path(r.stdout.strip().splitlines()[-1])
+    assert deb.name.endswith("+deb13_amd64.deb") or "+deb13_" in deb.name
+    fields = run(["dpkg-deb", "-f", str(deb), "Depends"]).stdout
+    assert "python3 (>= 3.13), python3 (<< 3.14)" in fields
+    (root / "tmp" / deb.name).write_bytes(deb.read_bytes())
+    srv = root / "tmp/agentzip-deb13"
+    shutil.rmtree(srv, ignore_errors=True)
+    srv.mkdir()
+    (srv / "config.yaml").write_text("pool:\n  swap_out_path: /tmp/agentzip-deb13/tier\n")
+    mounted, proc = [], None
+    try:
+        for src, dst, opts in (("proc", "proc", ["-t", "proc"]), ("/dev", "dev", ["--bind"])):
+            if run(["mountpoint", "-q", str(root / dst)]).returncode != 0:
+                assert run(["mount", *opts, src, str(root / dst)]).returncode == 0
+                mounted.append(root / dst)
+
+        def sh(script: str, timeout: float = 900) -> subprocess.CompletedProcess:
+            return run(["chroot", str(root), "sh", "-ec", script], timeout=timeout,
+                       env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
+                            "DEBIAN_FRONTEND": "noninteractive"})
+
+        r = sh(f"apt-get install -y -q --no-install-recommends /tmp/{deb.name} >/dev/null; "
+               "agentzip-blk --version; python3 -c 'import sys; print(sys.version_info[:2])'")
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr
+        assert "(3, 13)" in r.stdout
+        proc = subprocess.Popen(["chroot", str(root), "/usr/bin/agentzip-blk", "--config",
+                                 "/tmp/agentzip-deb13/config.yaml", "--run-dir",
+                                 "/tmp/agentzip-deb13", "serve", "--size", "64M"],
+                                env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while not ((srv / "nbd.sock").exists() and (srv / "control.sock").exists()):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the packaged serve did not come up"
+            time.sleep(0.1)
+        text = b"".join(b'{"role": "tool", "content": "page %05d"}\n' % i for i in range(1600))
+        pages = os.urandom(4096 * 8) + text[:4096 * 16] + bytes(4096 * 4)
+        h = nbd.NBD()
+        h.connect_unix(str(srv / "nbd.sock"))
+        try:
+            h.pwrite(pages, 1 << 20)
+            assert h.pread(len(pages), 1 << 20) == pages
+        finally:
+            h.shutdown()
+        r = sh("agentzip-blk --run-dir /tmp/agentzip-deb13 stats --json --control "
+               "/tmp/agentzip-deb13/control.sock")
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["codec_pages"].get("zstd", 0) > 0  # frames, cp313 backend
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+        r = sh("apt-get purge -y -q agentzip-blk >/dev/null; test ! -e /usr/lib/agentzip-blk && "
+               "test ! -e /etc/agentzip && test ! -e /usr/bin/agentzip-blk")
+        assert r.returncode == 0, r.stdout + r.stderr
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for m in reversed(mounted):
+            run(["umount", str(m)])
+        shutil.rmtree(srv, ignore_errors=True)
         (root / "tmp" / deb.name).unlink(missing_ok=True)

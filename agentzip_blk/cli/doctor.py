@@ -40,7 +40,9 @@ def register(sub) -> None:
     s = sub.add_parser("doctor", help="check the host: kernel, cgroups, swap, zswap, attach path")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--cgroup-root", help=argparse.SUPPRESS)
-    s.add_argument("--kubelet-config", metavar="PATH", default="/var/lib/kubelet/config.yaml",
-                   help="the kubelet's config file, for its swap settings "
-                        "(default /var/lib/kubelet/config.yaml; absent: not a Kubernetes node)")
+    s.add_argument("--kubelet-config", metavar="PATH",
+                   help="the kubelet's config file, for its swap settings (default: the file "
+                        "the running kubelet's --config names, with its --config-dir drop-ins "
+                        "and --fail-swap-on; else /var/lib/kubelet/config.yaml; absent: not a "
+                        "Kubernetes node)")
     s.set_defaults(func=cmd_doctor)

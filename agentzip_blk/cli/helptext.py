@@ -42,7 +42,7 @@ TEXTS: dict[str, tuple[str, tuple[str, ...]]] = {
                (f"{PROG} doctor", f"{PROG} doctor --json")),
     "metrics": ("Serve Prometheus metrics (agentzip_*), polling the server's control socket on "
                 "each scrape.",
-                (f"{PROG} metrics --listen 127.0.0.1:9464",)),
+                (f"{PROG} metrics --listen 127.0.0.1:9479",)),
     "install-units": ("Install the systemd units (the service, the metrics service, the "
                       "sandbox slice drop-in) under a prefix.",
                       (f"{PROG} install-units --prefix /", )),

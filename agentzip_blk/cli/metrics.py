@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import PROG, CliError, control_path_of, run_dir_of, serve_until_interrupted
+from ._common import (PROG, CliError, config_of, control_path_of, run_dir_of,
+                      serve_until_interrupted)
 
 
 def cmd_metrics(args) -> int:
     from ..fleet.metrics import (BuildInfo, CgroupSource, Collector, HostSource, control_stats,
                                  make_server, parse_listen)
 
+    # --listen, else metrics.listen of the config (agentzip-blk.yaml(5)), validated there
+    text = args.listen or config_of(args).metrics.listen
     try:
-        listen = parse_listen(args.listen)
+        listen = parse_listen(text)
     except ValueError as e:
         raise CliError(str(e)) from None
 
@@ -35,8 +38,9 @@ def cmd_metrics(args) -> int:
 
 def register(sub) -> None:
     s = sub.add_parser("metrics", help="Prometheus exporter (polls the server on each scrape)")
-    s.add_argument("--listen", default="127.0.0.1:9464", metavar="HOST:PORT",
-                   help="address to serve /metrics on (default 127.0.0.1:9464)")
+    s.add_argument("--listen", metavar="HOST:PORT",
+                   help="address to serve /metrics on (default: metrics.listen of the "
+                        "config, 127.0.0.1:9479)")
     s.add_argument("--control", metavar="PATH", help="control socket (default from run dir)")
     s.add_argument("--no-cgroups", action="store_true",
                    help="skip per-cgroup figures (they read /proc/PID/pagemap, root only)")

@@ -42,6 +42,9 @@ def register(sub) -> None:
                         "(default /var/lib/kubelet/config.yaml)")
     s.add_argument("--interval", type=float, default=30.0, metavar="SECONDS",
                    help="seconds between rounds (default 30)")
+    s.add_argument("--heartbeat", metavar="FILE",
+                   help="write FILE after every round, for Kubernetes probes "
+                        "(python -m agentzip_blk.host.heartbeat FILE --max-age S [--ready])")
     s.add_argument("--once", action="store_true", help="one round, print the result, exit")
     s.add_argument("--json", action="store_true", help="--once: print JSON")
     s.set_defaults(func=cmd_node_agent)
@@ -94,5 +97,5 @@ def cmd_node_agent(args) -> int:
               f"skipped {len(res.skipped)}; kubelet swap: "
               f"{(res.kubelet or {}).get('detail', '-')}")
         return 0
-    agent.run(args.interval)
+    agent.run(args.interval, heartbeat=args.heartbeat)
     return 0

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 from tqdm import tqdm
 
 from .. import procfs
+from ..config.quantities import format_bytes
 
 _forced = False  # --progress
 
@@ -75,11 +77,13 @@ class SwapoffWatch:
     """
 
     def __init__(self, device: str, report: Callable[[int, int], None],
-                 read: SwapsReader = procfs.swap_area, interval: float = 0.2) -> None:
+                 read: SwapsReader = procfs.swap_area, interval: float = 0.2,
+                 every_poll: bool = False) -> None:
         self.device = device
         self.report = report
         self.read = read
         self.interval = interval
+        self.every_poll = every_poll  # report unchanged figures too (SwapoffLog: a stall)
         self.total: int | None = None
         self.last_done = -1
         self._stop = threading.Event()
@@ -99,7 +103,7 @@ class SwapoffWatch:
         if self.total is None:
             self.total = area.used
         done = max(0, self.total - area.used)
-        if done != self.last_done:
+        if done != self.last_done or self.every_poll:
             self.last_done = done
             self.report(done, self.total)
         return True
@@ -146,3 +150,54 @@ class swapoff_bar:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+class SwapoffLog:
+    """`SwapoffWatch` report callback for a log, not a terminal: `down` under systemd's
+    ExecStop, whose stderr is the journal. One line as swapoff starts, then one at least every
+    *every* seconds (a stall too: the watch reports every poll), and one at the end, each with
+    the pages left and the rate since the last line, so that a shutdown that waits on swapoff
+    says why and for how long."""
+
+    def __init__(self, device: str, every: float = 10.0, stream=None,
+                 clock: Callable[[], float] = time.monotonic, page_size: int = 4096) -> None:
+        self.device = device
+        self.every = every
+        self.stream = stream
+        self.clock = clock
+        self.page_size = page_size
+        self._t0: float | None = None
+        self._last: tuple[float, int] = (0.0, 0)
+        self._ended = False
+
+    def _say(self, text: str) -> None:
+        print(f"agentzip-blk: swapoff {self.device}: {text}", file=self.stream or sys.stderr,
+              flush=True)
+
+    def __call__(self, done: int, total: int) -> None:
+        now = self.clock()
+        if self._t0 is None:
+            self._t0, self._last = now, (now, done)
+            self._say(f"{(total - done) // self.page_size} pages left "
+                      f"({format_bytes(total - done)}) to bring back into RAM")
+            return
+        if self._ended:
+            return
+        end = done >= total
+        if not end and now - self._last[0] < self.every:
+            return
+        t, d = self._last
+        rate = (done - d) / (now - t) if now > t else 0.0
+        left = max(0, total - done)
+        self._last = (now, done)
+        if end:
+            self._ended = True
+            self._say(f"done: {total // self.page_size} pages back in "
+                      f"{now - self._t0:.1f}s")
+            return
+        eta = f", ~{left / rate:.0f}s to go" if rate > 0 else ", stalled"
+        self._say(f"{left // self.page_size} pages left ({format_bytes(left)}), "
+                  f"{rate / self.page_size:.0f} pages/s ({format_bytes(int(rate))}/s){eta}")
+
+    def close(self) -> None:
+        pass

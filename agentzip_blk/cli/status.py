@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from ..host import health
 from ._common import EXIT_NOT_ATTACHED, EXIT_UNHEALTHY, PROG, run_dir_of
@@ -49,6 +50,9 @@ def _ours(st: dict) -> dict:
         "rotational": {True: "yes", False: "no"}.get(lp.get("rotational")),
         "file": mnt.get("file"), "mounted": {True: "yes", False: "no"}.get(mnt.get("mounted")),
         "nbdfuse": fz.get("pid"), "plugin": srv.get("plugin"), "run_dir": st["run_dir"],
+        "version": srv.get("version"),
+        "started": (time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(srv["started"]))
+                    if isinstance(srv.get("started"), (int, float)) else None),
     }
 
 
@@ -78,6 +82,9 @@ STATUS = Table([
     Column("NBDFUSE", "nbdfuse pid (nbdfuse front-end)", key("nbdfuse"), default=False),
     Column("PLUGIN", "nbdkit plugin", key("plugin"), default=False),
     Column("RUNDIR", "run directory (ours)", key("run_dir"), default=False),
+    Column("VERSION", "the agentzip-blk version the server runs (from its health reply)",
+           key("version"), default=False),
+    Column("STARTED", "when the server started (local time)", key("started"), default=False),
 ])
 
 EXAMPLES = f"""\

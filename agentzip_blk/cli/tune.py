@@ -65,6 +65,7 @@ def cmd_tune(args) -> int:
     from ..config import DEFAULT_CONFIG_PATH
     from ..datapath import control
     from ..host import facts
+    from ..host.heartbeat import write as write_heartbeat
     from ..host.runstate import RunState
     from ..config.quantities import format_bytes
 
@@ -125,9 +126,19 @@ def cmd_tune(args) -> int:
             stop.set()
             raise KeyboardInterrupt(f"signal {signum}")
 
+        def beat() -> None:
+            # ready while the device is swap (or --without-device): the tuner has work then
+            if args.heartbeat:
+                ok = args.without_device or device_ok()
+                try:
+                    write_heartbeat(args.heartbeat, ok, "" if ok else
+                                    f"no swap device attached from {run_dir}")
+                except OSError as e:
+                    log(f"tune: heartbeat {args.heartbeat}: {e.strerror or e}")
+
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
         try:
-            tuner.run(stop, steps=args.steps)
+            tuner.run(stop, steps=args.steps, after_step=beat)
         except KeyboardInterrupt:
             pass
         finally:
@@ -173,6 +184,9 @@ def register(sub) -> None:
     s.add_argument("--steps", type=int, metavar="N", help="stop after N decisions per cgroup")
     s.add_argument("--keep", action="store_true",
                    help="on exit keep the settings (down restores them) instead of restoring")
+    s.add_argument("--heartbeat", metavar="FILE",
+                   help="write FILE after every step, for Kubernetes probes "
+                        "(python -m agentzip_blk.host.heartbeat FILE --max-age S [--ready])")
     s.add_argument("--pod-swap-max", action="store_true",
                    help="also write memory.swap.max = max on kubelet Pod cgroups (kubepods*), "
                         "which the kubelet's memorySwap.swapBehavior manages otherwise")

@@ -31,9 +31,11 @@ def register(sub) -> None:
 
 def _device_settings(config, size: int | None, priority: int | None) -> dict:
     """What a running device cannot change: everything but the scopes (the tuner's business,
-    edited while the device is up), plus the size and priority asked for."""
+    edited while the device is up) and the exporter's address, plus the size and priority
+    asked for."""
     settings = config.to_dict()
     settings.pop("scopes", None)
+    settings.pop("metrics", None)
     return {"config": settings, "size": size or config.device.size,
             "priority": config.device.swap_priority if priority is None else priority}
 

@@ -32,8 +32,8 @@ from .schema import (ALGORITHMS, DATAPATHS, SWAP_MAP_MODES, DEDUP_MODES, DEFAULT
                      LEVEL_RANGES,
                      MAX_DEVICE_SIZE, MAX_FRAME_PAGES, MIN_SIZE, SUPPORTED_PAGE_SIZE, SWAP_PRIORITY_RANGE,
                      RETURNED_TO_DISK, WARM_ALGORITHMS,
-                     CompressionConfig, Config, DeviceConfig, PolicyConfig, PoolConfig, Scope,
-                     default_scopes)
+                     CompressionConfig, Config, DeviceConfig, MetricsConfig, PolicyConfig,
+                     PoolConfig, Scope, default_scopes)
 
 _DICTIONARY_NAME = re.compile(r"[a-z0-9_-]+")
 
@@ -324,7 +324,24 @@ def parse_config(data: Mapping[str, Any], *,
         policy=_parse_policy(data.get("policy")),
         scopes=_parse_scopes(data["scopes"]) if "scopes" in data else default_scopes(),
         device=_parse_device(data.get("device")),
+        metrics=_parse_metrics(data.get("metrics")),
     )
+
+
+def parse_listen(text: Any, key: str = "metrics.listen") -> tuple[str, int]:
+    """HOST:PORT (an IPv6 host in brackets) -> (host, port); ConfigError naming *key*."""
+    host, sep, port = text.rpartition(":") if isinstance(text, str) else ("", "", "")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{key}: {text!r} is not HOST:PORT (e.g. 127.0.0.1:9479, "
+                          f"[::1]:9479, 0.0.0.0:9479)")
+    return host.strip("[]"), int(port)
+
+
+def _parse_metrics(value: Any) -> MetricsConfig:
+    data = _mapping(value, "metrics", MetricsConfig)
+    listen = data.get("listen", MetricsConfig().listen)
+    parse_listen(listen)
+    return MetricsConfig(listen=listen)
 
 
 class _StrictLoader(yaml.SafeLoader):

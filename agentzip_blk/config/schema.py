@@ -128,6 +128,18 @@ class DeviceConfig:
     control_group: str | None = None
 
 
+# The exporter's port: not OpenTelemetry's 9464 (the default of every OTel SDK's Prometheus
+# exporter, often on the same node); Prometheus' allocation list covers 9100-9999 whole.
+METRICS_PORT = 9479
+
+
+@dataclass
+class MetricsConfig:
+    # where `agentzip-blk metrics` serves /metrics unless --listen says otherwise: loopback,
+    # because /metrics has no authentication (docs/KUBERNETES.md "Metrics")
+    listen: str = f"127.0.0.1:{METRICS_PORT}"
+
+
 FRONTENDS = ("auto", "fuse", "nbdfuse", "nbd")
 DATAPATHS = ("auto", "native", "python")
 SWAP_MAP_MODES = ("auto", "off")
@@ -144,6 +156,7 @@ class Config:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     scopes: list[Scope] = field(default_factory=default_scopes)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """Normalized plain-dict form (sizes in bytes, durations in seconds); parse_config accepts it."""

@@ -1,7 +1,12 @@
 """The control channel: one JSON object per line over a unix socket (mode 0600, root only).
 
-Request  {"cmd": "stats", ...args}
-Reply    {"ok": true, ...}  or  {"ok": false, "error": "..."}
+Request  {"cmd": "stats", "protocol": 1, ...args}
+Reply    {"ok": true, "protocol": 1, ...}  or  {"ok": false, "protocol": 1, "error": "..."}
+
+``protocol`` is the version of this framing and of the verbs' meaning (PROTOCOL): a server
+refuses a request of a newer protocol than its own, and a client refuses a reply of a newer
+one, each in one line that names both versions. A server from before the key existed sends
+none and speaks protocol 0, which is protocol 1 without the key (so both sides take it).
 
 The server runs in a daemon thread inside the nbdkit plugin. Each client gets its own
 short-lived thread; a handler that raises answers with an error and the server goes on.
@@ -40,6 +45,7 @@ from dataclasses import dataclass
 
 MAX_LINE = 64 * 1024
 CLIENT_TIMEOUT = 10.0
+PROTOCOL = 1  # raise when a verb changes meaning or a reply loses a key a client reads
 MAX_CONNECTIONS = 128  # root's connections served at once (root is trusted: a bound on threads)
 MAX_UNPRIVILEGED = 8  # everyone else's, together
 _BUSY_QUEUE = 64  # over-cap connections waiting for their "busy" reply
@@ -50,6 +56,14 @@ Handler = Callable[[dict], dict]
 
 class ControlError(Exception):
     """The server could not be reached or answered with an error."""
+
+
+class ProtocolMismatch(ControlError):
+    """The peer speaks a newer control protocol than this program."""
+
+
+def _newer(protocol: object) -> bool:
+    return isinstance(protocol, int) and not isinstance(protocol, bool) and protocol > PROTOCOL
 
 
 # SO_PEERGROUPS (Linux >= 4.13); the socket module names it only on newer Pythons
@@ -188,8 +202,9 @@ class ControlServer:
         reply goes first (a unix socket keeps it for the client), then whatever the client
         sends is read and dropped until it closes or BUSY_LINGER passes, since a close on
         unread bytes would reset the connection before the client read the reply."""
-        reply = json.dumps({"ok": False, "error": "busy: too many control connections open; "
-                                                  "try again"}).encode() + b"\n"
+        reply = json.dumps({"ok": False, "protocol": PROTOCOL,
+                            "error": "busy: too many control connections open; try again"}
+                           ).encode() + b"\n"
         sel = selectors.DefaultSelector()
         until: dict[socket.socket, float] = {}
 
@@ -260,7 +275,8 @@ class ControlServer:
                     # resets the connection, and the client would lose the reason
                     conn.settimeout(1.0)
                     stream.readline(MAX_LINE + 1)
-                    stream.write(json.dumps(reply).encode() + b"\n")
+                    stream.write(json.dumps({"protocol": PROTOCOL, **reply}).encode()
+                                 + b"\n")
                     stream.flush()
                 return
             while True:
@@ -270,7 +286,7 @@ class ControlServer:
                     return
                 if not line:
                     return
-                reply = self.dispatch(line, access, peer)
+                reply = {"protocol": PROTOCOL, **self.dispatch(line, access, peer)}
                 try:
                     stream.write(json.dumps(reply).encode() + b"\n")
                     stream.flush()
@@ -292,6 +308,11 @@ class ControlServer:
             return {"ok": False, "error": f"malformed JSON: {exc}"}
         if not isinstance(request, dict) or not isinstance(request.get("cmd"), str):
             return {"ok": False, "error": 'a request is a JSON object with a string "cmd"'}
+        if _newer(request.get("protocol")):
+            from .. import __version__
+            return {"ok": False, "error": f"the client speaks control protocol "
+                    f"{request['protocol']}, this server (agentzip-blk {__version__}) speaks "
+                    f"{PROTOCOL}: use the agentzip-blk that started it"}
         handler = self.handlers.get(request["cmd"])
         if handler is None:
             known = ", ".join(sorted(self.handlers))
@@ -331,7 +352,7 @@ def request(path: str, cmd: str, timeout: float = 10.0, **args) -> dict:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout)
             _connect(sock, path, timeout)
-            sock.sendall(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
+            sock.sendall(json.dumps({"cmd": cmd, "protocol": PROTOCOL, **args}).encode() + b"\n")
             with sock.makefile("rb") as stream:
                 line = stream.readline()
     except FileNotFoundError:
@@ -342,7 +363,19 @@ def request(path: str, cmd: str, timeout: float = 10.0, **args) -> dict:
         raise ControlError(f"control socket {path}: {exc}") from None
     if not line:
         raise ControlError(f"control socket {path} closed without a reply")
-    reply = json.loads(line)
+    try:
+        reply = json.loads(line)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        reply = None
+    if not isinstance(reply, dict):
+        raise ControlError(f"{path} answered {line[:60]!r}, not an agentzip-blk control reply: "
+                           f"is it the control socket of an agentzip-blk server?")
+    protocol = reply.pop("protocol", 0)
+    if _newer(protocol):
+        from .. import __version__
+        raise ProtocolMismatch(f"the server on {path} speaks control protocol {protocol}, this "
+                               f"agentzip-blk {__version__} speaks {PROTOCOL}: run the "
+                               f"agentzip-blk that started it (or upgrade this one)")
     if not reply.pop("ok", False):
-        raise ControlError(reply.get("error", "unknown error"))
+        raise ControlError(str(reply.get("error", "unknown error")))
     return reply

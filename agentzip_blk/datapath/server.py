@@ -15,7 +15,7 @@ from time import perf_counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .. import procfs
+from .. import __version__, procfs
 from ..codec import dictionaries
 from ..config import Config, load_config, load_file
 from ..config.quantities import parse_size
@@ -232,10 +232,13 @@ class Server:
         }
 
     def _health(self, request: dict) -> dict:
-        """Unlike ping, this waits for the store lock: a wedged request path times out."""
+        """Unlike ping, this waits for the store lock: a wedged request path times out. It
+        says which code serves: the version imported when this process started (an upgrade
+        of the package on disk does not change it) and the start time (Unix)."""
         return {"pid": os.getpid(), "store": self.store.health(),
                 "guarded": self.guard is not None and self.guard.guarded(),
-                "datapath": self.datapath.path,
+                "datapath": self.datapath.path, "version": __version__,
+                "started": round(self.started, 3),
                 "memory_locked": self.protection.memory_locked is None,
                 # why mlockall failed (status and doctor say it), None when locked
                 "memory_lock_error": self.protection.memory_locked}
@@ -335,6 +338,7 @@ class Server:
         stats["latency"] = self.latency.snapshot()
         stats["server"] = {
             "pid": os.getpid(),
+            "version": __version__,  # the code this process runs (health says it too)
             "rss_bytes": procfs.process_rss(os.getpid()),
             "locked_bytes": procfs.process_locked(os.getpid()),
             "uptime_s": round(time.time() - self.started, 1),

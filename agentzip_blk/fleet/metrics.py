@@ -1,4 +1,5 @@
-"""Prometheus exporter: ``agentzip-blk metrics --listen 127.0.0.1:9464``.
+"""Prometheus exporter: ``agentzip-blk metrics [--listen HOST:PORT]`` (default metrics.listen,
+127.0.0.1:9479: not OpenTelemetry's 9464), /metrics only (404 elsewhere).
 
 Placement: a separate process that asks the server's control socket for ``stats`` on every
 scrape, not an HTTP endpoint inside nbdkit. Why:
@@ -25,13 +26,17 @@ Three things come from the exporter's side, not from ``stats``, because they mus
 while the server is down: ``agentzip_swap_attached`` (the run state's device is in
 /proc/swaps: the alert "server down while swap is attached" needs it), the disk tier's
 filesystem space and cap (``agentzip_disk_filesystem_*``, ``agentzip_disk_max_bytes``), and
-``agentzip_build_info{version,python,nbdkit}`` (the exporter's package version and Python;
-nbdkit from ``nbdkit --version`` once). ``agentzip_start_time_seconds`` is the server's start
+``agentzip_build_info{version,server_version,python,nbdkit}`` (the exporter's package
+version and Python, nbdkit from ``nbdkit --version`` once; server_version from ``stats``, the
+code the server runs, which differs after an upgrade until a restart). ``agentzip_start_time_seconds`` is the server's start
 (Unix time, from ``stats``): Prometheus derives uptime from it (``time() - ...``), and a
 restart is a step in it, where an uptime gauge would only dip between two scrapes.
 
 Names follow the Prometheus conventions: ``agentzip_`` prefix, base units (bytes, seconds),
-``_total`` for counters, labels for kinds. ``agentzip_up`` is 0 when the server does not answer
+``_total`` for counters (``_pages_total`` for pages), labels for kinds
+(``agentzip_requests_total{op}``, ``agentzip_store_errors_total{reason}``), ``_ratio`` only for
+a 0-1 share (``agentzip_memory_saving_ratio``). The names they replace are exported one more
+release, "Deprecated" in their HELP (DEPRECATED_COUNTERS). ``agentzip_up`` is 0 when the server does not answer
 its ``health`` verb within ``HEALTH_TIMEOUT`` (dead, stopped, or wedged behind the store lock),
 and nothing else from the server is exported then.
 """
@@ -42,9 +47,11 @@ import logging
 import os
 import platform
 import shutil
+import socket
 import subprocess
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
 from typing import Callable, Iterator
@@ -75,25 +82,17 @@ BYTE_GAUGES = [
 ]
 # stats key -> counter name (without _total), help
 COUNTERS = [
-    ("reads", "reads", "Read requests."),
-    ("writes", "writes", "Write requests."),
-    ("trims", "trims", "Trim (discard) requests."),
-    ("zeroes", "zeroes", "Write-zeroes requests."),
-    ("flushes", "flushes", "Flush requests."),
     ("bytes_read", "read_bytes", "Bytes read by the client."),
     ("bytes_written", "written_bytes", "Bytes written by the client."),
-    ("enospc", "enospc", "Writes refused because the store was full."),
-    ("errors", "errors", "Requests that failed with an I/O error."),
-    ("dedup_hits", "dedup_hits", "Pages stored as a reference to an identical page."),
-    ("demotions", "demotions", "Pages moved from the pool to the disk tier."),
-    ("returned_demotions", "returned_demotions",
-     "Of the demotions, copies of pages read back and kept in RAM (policy.returned_to_disk)."),
-    ("promotions", "promotions", "Pages moved from the disk tier back to the pool."),
-    ("pingpong", "pingpong", "Pages written again within hot_threshold_ms of being read."),
+    ("dedup_hits", "dedup_pages", "Pages stored as a reference to an identical page."),
+    ("demotions", "demoted_pages", "Pages moved from the pool to the disk tier."),
+    ("returned_demotions", "returned_demoted_pages",
+     "Of the demoted pages, copies of pages read back and kept in RAM "
+     "(policy.returned_to_disk)."),
+    ("promotions", "promoted_pages", "Pages moved from the disk tier back to the pool."),
+    ("pingpong", "pingpong_pages", "Pages written again within hot_threshold_ms of being read."),
     ("hot_hits", "hot_cache_hits", "Reads served from the hot-page cache."),
     ("direct_to_disk", "direct_to_disk_pages", "New pages written straight to disk (pool full)."),
-    ("disk_full", "disk_full", "Writes refused by a full disk tier."),
-    ("disk_errors", "disk_errors", "Disk-tier I/O errors."),
     ("compactions", "compactions", "Pool compaction rounds."),
     ("pages_moved", "compaction_moved_pages", "Cells moved by compaction."),
     ("recompressed_pages_total", "recompressed_pages",
@@ -101,6 +100,31 @@ COUNTERS = [
     ("recompress_cpu_seconds_total", "recompress_cpu_seconds",
      "CPU seconds the recompressor spent (policy.recompress_cpu bounds it)."),
 ]
+# agentzip_requests_total{op}: stats key -> op
+REQUEST_OPS = [("reads", "read"), ("writes", "write"), ("trims", "trim"), ("zeroes", "zero"),
+               ("flushes", "flush")]
+# agentzip_store_errors_total{reason}: stats key -> reason (checksum: checksum_errors())
+ERROR_REASONS = [("errors", "io"), ("enospc", "no_space"), ("disk_full", "disk_full"),
+                 ("disk_errors", "disk_io")]
+# The names before 0.1.0's review (issue 29), exported one more release beside the new ones,
+# "Deprecated" in their HELP: old counter name (without _total) -> (stats key, its successor).
+DEPRECATED_COUNTERS = [
+    ("reads", "reads", 'agentzip_requests_total{op="read"}'),
+    ("writes", "writes", 'agentzip_requests_total{op="write"}'),
+    ("trims", "trims", 'agentzip_requests_total{op="trim"}'),
+    ("zeroes", "zeroes", 'agentzip_requests_total{op="zero"}'),
+    ("flushes", "flushes", 'agentzip_requests_total{op="flush"}'),
+    ("errors", "errors", 'agentzip_store_errors_total{reason="io"}'),
+    ("enospc", "enospc", 'agentzip_store_errors_total{reason="no_space"}'),
+    ("disk_full", "disk_full", 'agentzip_store_errors_total{reason="disk_full"}'),
+    ("disk_errors", "disk_errors", 'agentzip_store_errors_total{reason="disk_io"}'),
+    ("dedup_hits", "dedup_hits", "agentzip_dedup_pages_total"),
+    ("demotions", "demotions", "agentzip_demoted_pages_total"),
+    ("returned_demotions", "returned_demotions", "agentzip_returned_demoted_pages_total"),
+    ("promotions", "promotions", "agentzip_promoted_pages_total"),
+    ("pingpong", "pingpong", "agentzip_pingpong_pages_total"),
+]
+DEPRECATION = "Deprecated: use {new}; this name goes in the next release. "
 
 
 def _n(name: str) -> str:
@@ -112,8 +136,15 @@ def stats_metrics(st: dict) -> Iterator[Metric]:
     for key, name, doc in BYTE_GAUGES:
         if key in st:
             yield GaugeMetricFamily(_n(name), doc, value=float(st[key]))
-    yield GaugeMetricFamily(_n("compression_ratio"), "orig_bytes / stored_bytes (0 when empty).",
-                            value=float(st.get("ratio", 0.0)))
+    orig, stored = float(st.get("orig_mem", 0) or 0), float(st.get("stored_mem", 0) or 0)
+    yield GaugeMetricFamily(_n("memory_saving_ratio"), "Share of the swapped pages' size the "
+                            "store saves, 0-1: 1 - stored_bytes / orig_bytes; 0 when empty or "
+                            "when the store uses more than the pages' size (a few pages and "
+                            "its tables). orig_bytes / stored_bytes is the compression factor.",
+                            value=max(0.0, 1.0 - stored / orig) if orig > 0 else 0.0)
+    yield GaugeMetricFamily(_n("compression_ratio"), DEPRECATION.format(
+        new="agentzip_orig_bytes / agentzip_stored_bytes or agentzip_memory_saving_ratio")
+        + "orig_bytes / stored_bytes (0 when empty).", value=float(st.get("ratio", 0.0)))
     yield GaugeMetricFamily(_n("pool_fragmentation_ratio"),
                             "Share of the allocated pool arenas not holding live cells.",
                             value=float(st.get("fragmentation", 0.0)))
@@ -183,10 +214,29 @@ def stats_metrics(st: dict) -> Iterator[Metric]:
     for key, name, doc in COUNTERS:
         if isinstance(st.get(key), (int, float)):
             yield CounterMetricFamily(_n(name), doc, value=float(st[key]))
-    # always exported (0 from a server that does not count them), so the alert has a series
-    yield CounterMetricFamily(_n("checksum_errors"), "Reads that found a blob not matching its "
-                              "checksum or AEAD tag (answered EIO).",
-                              value=float(checksum_errors(st)))
+    requests = CounterMetricFamily(_n("requests"), "Requests the server answered, by op "
+                                   "(read: swap-in, write: swap-out, trim: discard).",
+                                   labels=["op"])
+    for key, op in REQUEST_OPS:
+        requests.add_metric([op], float(_number(st.get(key))))
+    yield requests
+    # every reason always exported (0 from a server that does not count one), so that the
+    # alerts have a series to watch
+    errors = CounterMetricFamily(_n("store_errors"), "Failures by reason: io (a request "
+                                 "answered EIO), no_space (a write refused: the store is "
+                                 "full), disk_full (the disk tier refused an extent), disk_io (a "
+                                 "disk-tier I/O error), checksum (a blob not matching its "
+                                 "checksum or AEAD tag: EIO, never wrong bytes).",
+                                 labels=["reason"])
+    for key, reason in ERROR_REASONS:
+        errors.add_metric([reason], float(_number(st.get(key))))
+    errors.add_metric(["checksum"], float(checksum_errors(st)))
+    yield errors
+    for name, key, new in DEPRECATED_COUNTERS:
+        if isinstance(st.get(key), (int, float)) and not isinstance(st.get(key), bool):
+            yield CounterMetricFamily(_n(name), DEPRECATION.format(new=new), value=float(st[key]))
+    yield CounterMetricFamily(_n("checksum_errors"), DEPRECATION.format(
+        new='agentzip_store_errors_total{reason="checksum"}'), value=float(checksum_errors(st)))
 
     lat = st.get("latency")
     if lat:
@@ -202,6 +252,11 @@ def stats_metrics(st: dict) -> Iterator[Metric]:
     if "start_time_s" in srv:
         yield GaugeMetricFamily(_n("start_time_seconds"), "Unix time the server started.",
                                 value=float(srv["start_time_s"]))
+
+
+def _number(v: object) -> float:
+    """A counter's value from stats; 0 for what is missing or not a number."""
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
 
 
 def checksum_errors(st: dict) -> int:
@@ -302,10 +357,20 @@ class HostSource:
     def __call__(self) -> dict:
         from .. import procfs
         from ..config import load_config
+        from ..errors import SetupError
+        from ..host.chain import stray_loops
         from ..host.runstate import RunState
 
-        state = RunState.load(self.run_dir)
-        out: dict = {"swap_attached": bool(state and procfs.swap_area(state.device))}
+        try:
+            state = RunState.load(self.run_dir)
+            attached = bool(state and procfs.swap_area(state.device))
+        except SetupError:
+            # state.json is root's: an exporter that is not (the DaemonSet's, the non-root
+            # drop-in) finds our area by its loop device, whose backing file (world-readable
+            # in sysfs) lies in RUN/mnt; so the server-down alert still has its series
+            state = None
+            attached = any(procfs.swap_area(loop) for loop in stray_loops(self.run_dir))
+        out: dict = {"swap_attached": attached}
         try:
             # the config the server was started with, when the run state names it
             config = load_config((state and state.config_path) or self.config_path)
@@ -364,11 +429,13 @@ class BuildInfo:
 
         return cls(__version__, platform.python_version(), _nbdkit_version())
 
-    def metric(self) -> Metric:
-        m = GaugeMetricFamily(_n("build_info"), "Always 1; the labels name the agentzip-blk "
-                              "version, the Python and the nbdkit on this host.",
-                              labels=["version", "python", "nbdkit"])
-        m.add_metric([self.version, self.python, self.nbdkit], 1.0)
+    def metric(self, server_version: str | None = None) -> Metric:
+        m = GaugeMetricFamily(_n("build_info"), "Always 1; the labels name the exporter's "
+                              "agentzip-blk version, the server's (the code serving the "
+                              "device: older until a restart after an upgrade; unknown while "
+                              "it does not answer), the Python and the nbdkit on this host.",
+                              labels=["version", "server_version", "python", "nbdkit"])
+        m.add_metric([self.version, server_version or "unknown", self.python, self.nbdkit], 1.0)
         return m
 
 
@@ -397,7 +464,7 @@ class Collector:
         if st is not None:
             yield from stats_metrics(st)
         if self.build is not None:
-            yield self.build.metric()
+            yield self.build.metric(((st or {}).get("server") or {}).get("version"))
         if self.host_fn is not None:
             try:
                 yield from host_metrics(self.host_fn())
@@ -440,18 +507,42 @@ def control_stats(path: str) -> Callable[[], dict]:
     return fetch
 
 
+METRICS_PATH = "/metrics"
+
+
+class _MetricsOnly(MetricsHandler):
+    """The exposition on /metrics (any query string), 404 on every other path: a scraper
+    pointed at the wrong path learns so, instead of a page of metrics that looks right."""
+
+    def do_GET(self) -> None:
+        if urllib.parse.urlsplit(self.path).path != METRICS_PATH:
+            self.send_error(404, f"not found: agentzip-blk serves {METRICS_PATH} only")
+            return
+        super().do_GET()
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 - the stdlib's name
+        pass  # a scrape every 15 s is no news; errors still reach the log through `log`
+
+
 def make_server(listen: tuple[str, int], collector: Collector) -> ThreadingHTTPServer:
-    """An HTTP server answering every path with the exposition of *collector* alone (no
+    """An HTTP server answering /metrics with the exposition of *collector* alone (no
     process/platform collectors: this exporter is about the device). Port 0 picks one."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
-    server = ThreadingHTTPServer(listen, MetricsHandler.factory(registry))
+    handler = type("AgentzipMetricsHandler", (_MetricsOnly,), {"registry": registry})
+    family = socket.AF_INET6 if ":" in listen[0] else socket.AF_INET
+    server_class = type("AgentzipHTTPServer", (ThreadingHTTPServer,),
+                        {"address_family": family})
+    server = server_class(listen, handler)
     server.daemon_threads = True
     return server
 
 
 def parse_listen(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise ValueError(f"--listen {text!r}: expected HOST:PORT, e.g. 127.0.0.1:9464")
-    return host.strip("[]"), int(port)
+    """HOST:PORT (metrics.listen's syntax); ValueError naming --listen."""
+    from ..config.load import parse_listen as parse
+    from ..errors import ConfigError
+    try:
+        return parse(text, "--listen")
+    except ConfigError as e:
+        raise ValueError(str(e)) from None

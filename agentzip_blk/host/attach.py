@@ -21,8 +21,8 @@ from ..config.quantities import format_bytes
 from ..datapath import control
 from ..errors import DeviceError, SetupError
 from . import facts
-from .chain import (check_up_preconditions, liveness, resolve_frontend, teardown, up_steps,
-                    write_effective_config)
+from .chain import (check_up_preconditions, foreign_device, liveness, resolve_frontend,
+                    stray_loops, sweep, teardown, up_steps, write_effective_config)
 from .health import health
 from .procs import STOPPED_STATES, ours_alive, wait_gone
 from .runstate import (DEFAULT_PRIORITY, STATE_FILE, RunState, config_device, locked,
@@ -178,6 +178,10 @@ def down(run_dir: str | None = None, force: bool = False, *, config=None,
         state = RunState.load(run_dir)
         if state is None:
             _release_cgroups(run_dir)  # a tuner may have run without a device
+            if force:
+                orphans = _sweep_orphans(run_dir, timeout, config)
+                if orphans is not None:
+                    return orphans
             raise NotAttached(f"no device attached from {run_dir} (no {STATE_FILE})")
         area = procfs.swap_area(state.device)
         used = area.used if area else 0
@@ -199,6 +203,10 @@ def down(run_dir: str | None = None, force: bool = False, *, config=None,
         served, tier = _owned(state, config, timeout)  # asked before the server stops
         if force and (area is not None or liveness(state)["nbdkit"]):
             given_up = _unwedge(state)
+        if force:
+            # every loop over our FUSE file, the state's and any it does not name (an older
+            # up's), before teardown unmounts: a lazy unmount would hide their backing path
+            sweep(run_dir, timeout, state.tools, unmount=False)
         teardown(state, timeout, swapoff_timeout=max(timeout, 120.0) if given_up else None,
                  served=served)
         left = remove_leftover(tier) if tier is not None else None
@@ -206,6 +214,33 @@ def down(run_dir: str | None = None, force: bool = False, *, config=None,
                 "seconds": round(time.monotonic() - t0, 3), "cgroups": cgroups,
                 "server_lost": given_up,
                 "tier_left": f"{tier.path}: {left}" if left else None}
+
+
+def _sweep_orphans(run_dir: str, timeout: float, config=None) -> dict | None:
+    """`down --force` without a state file: detach what is still over our FUSE file (swap
+    areas, loop devices, the mount), then ask a server still on RUN/control.sock to stop (it
+    refuses while a swap area points at it). A server that stops removes its own disk tier;
+    without one, the tier the operator's config names is removed if it is a leftover
+    (host.tierfile). None when there was nothing of ours."""
+    t0 = time.monotonic()
+    used = sum(a.used for loop in stray_loops(run_dir) if (a := procfs.swap_area(loop)))
+    loops = sweep(run_dir, timeout)
+    sock = os.path.join(run_dir, "control.sock")
+    stopped = False
+    if os.path.exists(sock):
+        try:
+            control.request(sock, "shutdown", timeout=5.0)
+            stopped = True
+        except control.ControlError:
+            pass
+    if not loops and not stopped:
+        return None
+    path = config.pool.swap_out_path if config is not None else None
+    left = remove_leftover(TierFile(path)) if path and not stopped else None
+    return {"run_dir": run_dir, "device": ", ".join(loops) or None, "swapped_in": used,
+            "seconds": round(time.monotonic() - t0, 3), "cgroups": "", "server_lost": False,
+            "orphans": loops, "server_stopped": stopped,
+            "tier_left": f"{path}: {left}" if left else None}
 
 
 def _unwedge(state: RunState) -> bool:
@@ -253,6 +288,14 @@ def _owned(state: RunState, config, timeout: float) -> tuple[str | None, TierFil
                     TierFile.from_reply(reply.get("tier")))
     path = config.pool.swap_out_path if config is not None else None
     return None, (TierFile(path) if path else None)
+
+
+def device_is_ours(state: RunState, timeout: float = 5.0) -> bool:
+    """Whether ``state.device`` is shown to be this chain's: the server says it serves it, or
+    the kernel ties it to this chain (chain.foreign_device). What `down`'s progress report may
+    watch: state.json alone may name any swap area, which `down` then refuses to touch."""
+    served, _ = _owned(state, None, timeout)
+    return foreign_device(state, served) is None
 
 
 def _release_cgroups(run_dir: str) -> str:

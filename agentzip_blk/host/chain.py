@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import stat
 import time
@@ -19,7 +20,7 @@ import time
 from .. import procfs
 from ..datapath import control
 from ..errors import DeviceError, SetupError
-from . import facts, procs
+from . import facts, procs, swapunit
 from .procs import STOPPED_STATES, ours_alive, run_tool, spawn, stop_process, wait_gone, wait_ready
 from .rundir import open_private
 from .runstate import STATE_FILE, TOOLS, RunState
@@ -299,6 +300,7 @@ def teardown(state: RunState, timeout: float = 30.0,
         if procfs.swap_area(state.device) is not None:
             raise DeviceError(f"{state.device} is still in /proc/swaps after swapoff")
     state.swap_on = False
+    swapunit.remove_order(state.device)
     with contextlib.suppress(OSError):
         state.save()
 
@@ -321,7 +323,13 @@ def teardown(state: RunState, timeout: float = 30.0,
     with contextlib.suppress(OSError):
         state.save()
 
-    # 3. unmount the FUSE file; nbdfuse exits on unmount
+    # 3. unmount the FUSE file; nbdfuse exits on unmount. Not while another loop device
+    # holds it (someone's swap, perhaps): a lazy unmount would orphan that loop under a
+    # dead file's "/device" name, where nothing finds it by our path any more
+    others = stray_loops(state.run_dir) if state.mountpoint else []
+    if others:
+        raise DeviceError(f"{', '.join(others)} still attached over {state.fuse_file}: "
+                          f"`agentzip-blk down --force` detaches them")
     if is_mounted(state.mountpoint):
         try:
             run_tool([resolve_tool("fusermount3", state.tools), "-u", state.mountpoint],
@@ -365,6 +373,51 @@ def teardown(state: RunState, timeout: float = 30.0,
         if sock and os.path.dirname(os.path.abspath(sock)) == state.run_dir:
             with contextlib.suppress(OSError):
                 os.unlink(sock)
+
+
+def stray_loops(run_dir: str) -> list[str]:
+    """Every loop device whose backing file lies in RUN/mnt (our FUSE mount), whatever
+    state.json says or whether it exists: a state file lost under a live server (a package
+    removed, a run dir cleaned) leaves them attached, and the next `up` meets a used loop.
+    Strings only, as loop_is_ours: a stat inside the mount would wait on its server."""
+    mnt = os.path.join(os.path.realpath(run_dir), "mnt") + os.sep
+    try:
+        names = sorted(n for n in os.listdir("/sys/block") if re.fullmatch(r"loop[0-9]+", n))
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        backing = procfs.loop_backing(f"/dev/{name}")
+        if backing and backing.removesuffix(" (deleted)").startswith(mnt):
+            out.append(f"/dev/{name}")
+    return out
+
+
+def sweep(run_dir: str, timeout: float, tools: dict | None = None, *,
+          unmount: bool = True) -> list[str]:
+    """`down --force`: swapoff and detach every loop device over our FUSE file (stray_loops),
+    then (``unmount``) unmount RUN/mnt. Returns what it detached. swapoff of a loop whose
+    server is gone ends: the dead FUSE connection fails every read. Before any unmount: a
+    lazily unmounted file shows as "/device", no longer under RUN/mnt."""
+    tools = tools or {}
+    detached = []
+    for loop in stray_loops(run_dir):
+        if procfs.swap_area(loop) is not None:
+            run_tool([resolve_tool("swapoff", tools), loop], timeout=max(timeout, 3600.0),
+                     what=f"swapoff {loop}")
+        swapunit.remove_order(loop)
+        run_tool([resolve_tool("losetup", tools), "-d", loop], timeout=timeout,
+                 what=f"losetup -d {loop}")
+        detached.append(loop)
+    mnt = os.path.join(os.path.realpath(run_dir), "mnt")
+    if unmount and is_mounted(mnt):
+        try:
+            run_tool([resolve_tool("fusermount3", tools), "-u", mnt], timeout=timeout,
+                     what=f"fusermount3 -u {mnt}")
+        except DeviceError:
+            run_tool([resolve_tool("fusermount3", tools), "-u", "-z", mnt], timeout=timeout,
+                     what=f"fusermount3 -u -z {mnt}")
+    return detached
 
 
 def required_tools(kernel_nbd: bool | None = None, tools: dict | None = None,
@@ -584,10 +637,13 @@ def _swapon(state: RunState, timeout: float, fail_after: str | None) -> None:
     inject("mkswap", fail_after)
     if state.control_socket:
         server_request(state, "guard", timeout, device=state.device)
+    ordered = swapunit.write_order(state.device)  # systemd's swap unit stops after `down`
     run_tool([resolve_tool("swapon", tools), "--discard=pages", "-p", str(state.swap_priority),
               state.device], timeout=timeout, what=f"swapon {state.device}")
     if procfs.swap_area(state.device) is None:
         raise DeviceError(f"swapon succeeded but {state.device} is not in /proc/swaps")
+    if ordered:
+        swapunit.reload()
     state.swap_on = True
     state.save()
     inject("swapon", fail_after)

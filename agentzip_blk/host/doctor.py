@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from .. import procfs
 from ..config import old_key_names
 from . import facts
-from .kubelet import DEFAULT_KUBELET_CONFIG, KubeletSwap, read_kubelet_swap, verdict
+from .kubelet import KubeletSwap, kubelet_command_line, read_kubelet_swap, verdict
 from .procs import pid_alive
 
 __all__ = ["Check", "Facts", "gather", "diagnose", "render", "worst", "PASS", "WARN", "FAIL"]
@@ -82,7 +82,7 @@ def _under(root: str, path: str) -> str:
 
 
 def gather(run_dir: str, config=None, root: str = "/", config_path: str | None = None,
-           kubelet_config: str = DEFAULT_KUBELET_CONFIG) -> Facts:
+           kubelet_config: str | None = None) -> Facts:
     """The facts of this host; `config_path` is the file `config` came from (None: the
     default path), read again for keys spelled the old way."""
     from ..cgroups.backends import open_backend
@@ -117,7 +117,9 @@ def gather(run_dir: str, config=None, root: str = "/", config_path: str | None =
     f.fuse_tools = facts.missing_tools(["nbdfuse", "fusermount3"])
     f.native_built, f.native_missing = native.available(), native.MISSING
     f.damon_anon_pageout, f.damon_file_only = damon_pageout(_under(root, "/sys"))
-    f.kubelet = read_kubelet_swap(kubelet_config)
+    # None: the file the running kubelet's --config names (else kubeadm's), with its
+    # --config-dir drop-ins and --fail-swap-on (host.kubelet)
+    f.kubelet = read_kubelet_swap(kubelet_config, kubelet_command_line())
     f.oomd_active, f.oomd_omit = oomd(root)
     state = None
     try:

@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import subprocess
+import time
 
-from .. import procfs
+from .. import __version__, procfs
 from ..datapath import control
 from . import facts
 from .chain import is_mounted, loop_dio, loop_is_ours, loop_rotational
@@ -74,6 +75,12 @@ def status(run_dir: str | None = None, *, config=None,
             out["health"] = health(state, health_timeout)
             out["healthy"] = out["health"]["ok"]
             out["server"]["datapath"] = out["health"]["nbdkit"].get("datapath")
+            running = out["health"]["nbdkit"].get("version")
+            out["server"]["version"] = running
+            if out["health"]["nbdkit"].get("started") is not None:
+                out["server"]["started"] = out["health"]["nbdkit"]["started"]
+            if out["health"]["nbdkit"].get("responsive") and running != __version__:
+                warnings.append(version_warning(running, out["server"]["started"]))
         out["server"]["oom_protected"] = state.oom_protected
         srv = (out["health"] or {}).get("nbdkit") or {}
         if srv.get("memory_locked") is False:
@@ -108,6 +115,15 @@ def status(run_dir: str | None = None, *, config=None,
     return out
 
 
+def version_warning(running: str | None, started: float | None) -> str:
+    """The server runs other code than the installed program (an upgrade since `up`)."""
+    when = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
+            if isinstance(started, (int, float)) else "?")
+    return (f"the server runs agentzip-blk {running or 'older than 0.1.0'} (started {when}), "
+            f"the installed agentzip-blk is {__version__}: the new code serves after "
+            f"`systemctl restart agentzip-blk` (down, then up: swapoff first)")
+
+
 def health(state: RunState, timeout: float = HEALTH_TIMEOUT) -> dict:
     """Whether the chain answers, not only whether its processes exist: nbdkit alive, not
     stopped, and answering the ``health`` verb (which waits for the store lock; ``ping``
@@ -129,6 +145,9 @@ def health(state: RunState, timeout: float = HEALTH_TIMEOUT) -> dict:
                 srv["responsive"] = True
                 srv["guarded"] = bool(reply.get("guarded"))
                 srv["datapath"] = reply.get("datapath")  # native or python (datapath.native)
+                # the code the server runs; None from a server older than the key
+                srv["version"] = reply.get("version")
+                srv["started"] = reply.get("started")
                 srv["memory_locked"] = reply.get("memory_locked")  # None: an older server
                 srv["memory_lock_error"] = reply.get("memory_lock_error")
             except control.ControlError as exc:

@@ -19,6 +19,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Iterator
 
+from .. import __version__
 from ..errors import DeviceError, SetupError
 from .rundir import open_private, secure_run_dir
 
@@ -30,6 +31,12 @@ DEFAULT_PRIORITY = 100
 
 
 STATE_FILE = "state.json"
+
+
+# The layout of state.json. A newer one than this program knows is refused in one line (its
+# keys may mean what this program cannot act on safely); a file without the key is format 0,
+# the same layout.
+STATE_FORMAT = 1
 
 
 # Tool names; ``up`` takes a ``tools`` dict that overrides these for its own process (tests).
@@ -77,6 +84,8 @@ class RunState:
     oom_protected: bool = False     # oom_score_adj -1000 set on nbdkit (and nbdfuse)
     nbdfuse_locked: bool = False    # nbdfuse runs with the mlockall preload shim
     rotational: bool = False        # device.rotational: flag the loop device before swapon
+    format: int = STATE_FORMAT      # the layout of this file (STATE_FORMAT)
+    version: str = __version__      # the agentzip-blk that ran `up` (and so started the server)
 
     # -- persistence ---------------------------------------------------------------
     @property
@@ -109,7 +118,15 @@ class RunState:
         if not isinstance(data, dict):
             raise DeviceError(f"cannot read {path}: not a JSON object; remove it if nothing "
                               f"is attached")
+        fmt = data.get("format", 0)
+        if isinstance(fmt, bool) or not isinstance(fmt, int) or fmt > STATE_FORMAT:
+            raise SetupError(f"{path} has format {fmt!r} (written by agentzip-blk "
+                              f"{data.get('version', '?')}); this agentzip-blk {__version__} "
+                              f"reads format {STATE_FORMAT} at most: run the agentzip-blk that "
+                              f"ran `up`")
         data = {k: v for k, v in data.items() if k in known}
+        data.setdefault("format", 0)
+        data.setdefault("version", "")  # before 0.1.0 state files named no version
         data["run_dir"] = run_dir
         try:
             state = cls(**data)

@@ -304,3 +304,27 @@ def test_cli_scope_errors(tmp_path, capsys):
     assert "--cgroup GLOB is required" in capsys.readouterr().err
     assert _cli(tmp_path, root, "scope", "enable", "--cgroup", "nope-*") == 2
     assert "no scope 'nope-*'" in capsys.readouterr().err
+
+
+def test_tune_heartbeat_says_ready_only_with_a_device(tmp_path):
+    """The DaemonSet's tuner probes: `tune --heartbeat` (its own process) writes the file each
+    step; ready only while a swap device is attached from the run dir (none here), or with
+    --without-device."""
+    import subprocess
+    import sys
+    from agentzip_blk.host import heartbeat
+    root, _ = fake_v2(tmp_path / "fs", {SANDBOX: {"cgroup.procs": "100\n"}})
+    w(str(tmp_path / "config.yaml"), "scopes: []\n")
+    az = os.path.join(os.path.dirname(sys.executable), "agentzip-blk")
+    beat = tmp_path / "tuner.beat"
+    for extra, ready in ((["--without-device"], True), ([], False)):
+        beat.unlink(missing_ok=True)
+        r = subprocess.run([az, "--config", str(tmp_path / "config.yaml"), "--run-dir",
+                            str(tmp_path / "run"), "tune", "--steps", "2", "--interval", "0.01",
+                            "--cgroup-root", root, "--heartbeat", str(beat), *extra],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        b = heartbeat.read(str(beat))
+        assert b is not None and b.ready is ready, (extra, b)
+        ok, why = heartbeat.check(str(beat), 60, need_ready=True)
+        assert ok is ready and (ready or "no swap device attached" in why), why

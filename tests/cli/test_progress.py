@@ -175,3 +175,40 @@ def test_up_then_down_shows_swapoff_progress():
         if RunState.load(run_dir) is not None:
             run("down", "--run-dir", run_dir, "--force", timeout=300)
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def test_swapoff_log_says_pages_left_and_rate_at_least_every_interval_even_when_stalled():
+    """`down` under ExecStop: a line every 10 s of the fake clock whatever moved, with the
+    pages left and the rate since the previous line; one at the start and one at the end."""
+    import io
+
+    from agentzip_blk.cli.progress import SwapoffLog, SwapoffWatch
+    from agentzip_blk.procfs import SwapArea
+
+    clock = [0.0]
+    used = [4096 * 1000]
+    out = io.StringIO()
+    log = SwapoffLog("/dev/loop7", every=10.0, stream=out, clock=lambda: clock[0])
+
+    def read(dev):
+        return None if used[0] is None else SwapArea(dev, "partition", 1 << 30, used[0], 100)
+
+    watch = SwapoffWatch("/dev/loop7", log, read=read, every_poll=True)
+    watch.poll_once()                       # t=0: the start line
+    for t in range(1, 31):                  # 30 s: 40 pages/s for 20 s, then a 10 s stall
+        clock[0] = float(t)
+        if t <= 20:
+            used[0] -= 4096 * 40
+        watch.poll_once()
+    used[0] = None                          # the area is gone: the end line
+    clock[0] = 31.0
+    watch.poll_once()
+    lines = [line.removeprefix("agentzip-blk: swapoff /dev/loop7: ")
+             for line in out.getvalue().splitlines()]
+    assert lines == [
+        "1000 pages left (3.9M) to bring back into RAM",
+        "600 pages left (2.3M), 40 pages/s (160K/s), ~15s to go",
+        "200 pages left (800K), 40 pages/s (160K/s), ~5s to go",
+        "200 pages left (800K), 0 pages/s (0B/s), stalled",  # nothing moved: still a line
+        "done: 1000 pages back in 31.0s",
+    ]

@@ -161,6 +161,7 @@ def valid_configs(draw):
             "swap_map": draw(st.sampled_from(["auto", "off"])),
             "control_group": draw(st.sampled_from([None, "root"])),
         },
+        "metrics": {"listen": draw(st.sampled_from(["127.0.0.1:9479", "[::1]:1", "0.0.0.0:65535"]))},
     }
 
 
@@ -542,3 +543,9 @@ def test_device_frontend_must_be_known(value):
 def test_device_datapath_must_be_known(value):
     with pytest.raises(ConfigError, match=r"device\.datapath: .* is not one of auto \| native \| python"):
         parse_config({"device": {"datapath": value}})
+
+
+@pytest.mark.parametrize("listen", ["9479", "127.0.0.1", "127.0.0.1:x", ":9479", "h:70000", 9479])
+def test_metrics_listen_must_be_host_and_port(listen):
+    with pytest.raises(ConfigError, match=r"^metrics\.listen: .* is not HOST:PORT"):
+        parse_config({"metrics": {"listen": listen}})

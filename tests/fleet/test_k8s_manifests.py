@@ -118,14 +118,75 @@ def test_daemonset_drops_privileges(by, daemonset):
     assert "--insecure" not in text
 
 
-def test_exporter_listens_on_loopback_unless_told(by):
+def test_exporter_is_scrapable_and_fenced(by):
+    """The exporter listens on the Pod's IP at a declared port (not OpenTelemetry's 9464), a
+    NetworkPolicy in the same file admits only the monitoring namespace to it, and the
+    optional Service + ServiceMonitor scrape it as job "agentzip", which the alerts expect."""
+    from agentzip_blk.config.schema import METRICS_PORT
     metrics = containers(by, "DaemonSet", "agentzip-node")["metrics"]
-    assert arg(metrics, "--listen").startswith("127.0.0.1:")
-    assert "ports" not in metrics  # nothing to publish
-    args = cli.build_parser().parse_args(["metrics"])
-    assert args.listen.startswith("127.0.0.1:")  # the CLI's own default
-    # exposing it is a separate, opt-in file with a NetworkPolicy
-    assert ("NetworkPolicy", "agentzip-metrics") in by
+    assert arg(metrics, "--listen") == f"$(POD_IP):{METRICS_PORT}" and METRICS_PORT != 9464
+    env = {e["name"]: e for e in metrics["env"]}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert metrics["ports"] == [{"name": "metrics", "containerPort": METRICS_PORT,
+                                 "protocol": "TCP"}]
+    assert cli.build_parser().parse_args(["metrics"]).listen is None  # metrics.listen decides
+    policy = by[("NetworkPolicy", "agentzip-metrics")]["spec"]
+    assert policy["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "agentzip-node"}
+    (rule,) = policy["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": METRICS_PORT}]
+    assert rule["from"] == [{"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "monitoring"}}}]
+    svc = by[("Service", "agentzip-metrics")]
+    assert svc["spec"]["ports"][0]["targetPort"] == "metrics"
+    sm = by[("ServiceMonitor", "agentzip-metrics")]
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert sm["spec"]["endpoints"][0]["port"] == "metrics"
+    assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
+    assert set(sm["spec"]["selector"]["matchLabels"].items()) <= set(svc["metadata"]["labels"].items())
+    assert svc["metadata"]["labels"][sm["spec"]["jobLabel"]] == "agentzip"
+    rules = (REPO / "deploy/prometheus/alerts.yaml").read_text()
+    assert 'job="agentzip"' in rules
+
+
+def test_the_kubelet_config_is_not_required_to_exist(by):
+    """EKS, GKE and k3s keep the kubelet's config elsewhere (or have none): type File held the
+    whole Pod in ContainerCreating there."""
+    vols = {v["name"]: v for v in by[("DaemonSet", "agentzip-node")]["spec"]["template"]["spec"]
+            ["volumes"]}
+    assert vols["kubelet-config"]["hostPath"]["type"] == "FileOrCreate"
+    assert (REPO / "docs/KUBERNETES.md").read_text().count("kubelet-config") >= 1
+
+
+def test_the_node_agent_and_the_tuner_have_probes_on_their_heartbeats(by):
+    from agentzip_blk.host import heartbeat
+    # the tuner has its own DaemonSet (tuner.yaml, hostPID), each Pod its own health emptyDir
+    for ds, name in (("agentzip-node", "node-agent"), ("agentzip-tuner", "tuner")):
+        c = containers(by, "DaemonSet", ds)[name]
+        beat = arg(c, "--heartbeat")
+        assert beat and any(beat.startswith(m["mountPath"] + "/") and m["name"] == "health"
+                            for m in c["volumeMounts"]), name
+        for kind in ("livenessProbe", "readinessProbe"):
+            cmd = c[kind]["exec"]["command"]
+            assert cmd[:3] == ["python", "-m", "agentzip_blk.host.heartbeat"], cmd
+            assert cmd[3] == beat
+            assert ("--ready" in cmd) == (kind == "readinessProbe")
+            with pytest.raises(SystemExit) as e:  # the probe's own parser takes its argv
+                heartbeat.main(cmd[3:] + ["--help"])
+            assert e.value.code == 0
+        assert c["livenessProbe"]["periodSeconds"] >= 30  # ~30 ms of CPU each, twice a minute at most
+        vols = {v["name"]: v for v in by[("DaemonSet", ds)]["spec"]["template"]["spec"]
+                ["volumes"]}
+        assert vols["health"]["emptyDir"]["medium"] == "Memory", ds
+
+
+def test_system_node_critical_has_its_quota_outside_kube_system(by):
+    ds = by[("DaemonSet", "agentzip-node")]
+    assert ds["spec"]["template"]["spec"]["priorityClassName"] == "system-node-critical"
+    quotas = [d for (kind, _), d in by.items() if kind == "ResourceQuota"
+              and d["metadata"]["namespace"] == ds["metadata"]["namespace"]]
+    assert any({"scopeName": "PriorityClass", "operator": "In",
+                "values": ["system-node-critical"]} in q["spec"]["scopeSelector"]["matchExpressions"]
+               for q in quotas), quotas
 
 
 def test_node_agent_uses_the_api_with_least_privilege(by):

@@ -369,3 +369,45 @@ def test_node_agent_reports_kubelet_noswap(tmp_path, fake_api, caplog):
     assert res.kubelet["status"] == "warn" and res.kubelet["pods_swap"] is False
     assert "Pods will not swap" in res.kubelet["detail"]
     assert sum("kubelet swap" in m for m in caplog.messages) == 1  # said once, not per round
+
+
+def test_node_agent_heartbeat_feeds_the_probes(tmp_path, fake_api):
+    """The DaemonSet's probes: the node agent (its own process, looping) writes its heartbeat
+    after each round; the probe (python -m agentzip_blk.host.heartbeat, as the kubelet runs it)
+    passes liveness and readiness; with the API gone it stays live but not ready."""
+    import subprocess
+    import sys
+    import time
+    api, cert = fake_api
+    beat = tmp_path / "node-agent.beat"
+    argv = agent_argv(tmp_path, "--source", "api", "--url", api.base, "--node", "worker-1",
+                      "--ca-file", str(cert), "--interval", "0.2", "--heartbeat", str(beat))
+    proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "agentzip-blk"),
+                             *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def probe(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "agentzip_blk.host.heartbeat", str(beat),
+                               "--max-age", "30", *extra], capture_output=True, text=True,
+                              timeout=30)
+    try:
+        r = probe()
+        assert r.returncode == 1 and "no heartbeat yet" in r.stderr
+        deadline = time.monotonic() + 30
+        while not beat.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.05)
+        assert probe().returncode == 0 and probe("--ready").returncode == 0
+        api.close()  # the API server goes away
+        deadline = time.monotonic() + 30
+        while probe("--ready").returncode == 0:
+            assert time.monotonic() < deadline, "readiness never failed"
+            time.sleep(0.1)
+        r = probe("--ready")
+        assert "not ready: round failed" in r.stderr and len(r.stderr.splitlines()) == 1
+        assert probe().returncode == 0  # alive all the same: no restart for an API outage
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    r = subprocess.run([sys.executable, "-m", "agentzip_blk.host.heartbeat", str(beat),
+                        "--max-age", "0"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1 and "stuck" in r.stderr

@@ -223,3 +223,99 @@ def test_dashboard_uses_only_exported_metrics():
         if any("request_duration" in t["expr"] for t in p["targets"]):
             assert "server-side" in p["title"].lower(), p["title"]
             assert " not " in p["title"].lower() and "hop" in p["description"].lower()  # what it leaves out
+
+
+def test_dashboard_imports_with_inputs_and_uses_no_deprecated_name():
+    """Grafana's import asks for the data source the dashboard names in __inputs; every
+    ${DS_...} it uses is declared there, and no query uses a name kept only for one release."""
+    import re
+    dash_text = (Path(__file__).resolve().parents[2] / "deploy/grafana-dashboard.json").read_text()
+    dash = json.loads(dash_text)
+    declared = {i["name"] for i in dash["__inputs"]}
+    assert declared == {"DS_PROMETHEUS"}
+    assert dash["__inputs"][0]["pluginId"] == "prometheus"
+    assert set(re.findall(r"\$\{(DS_[A-Z_]+)\}", dash_text)) == declared
+    panel_types = {p["type"] for p in dash["panels"]}
+    assert panel_types <= {r["id"] for r in dash["__requires"] if r["type"] == "panel"}
+    deprecated = {f"agentzip_{old}_total" for old, _, _ in metrics.DEPRECATED_COUNTERS}
+    deprecated |= {"agentzip_compression_ratio", "agentzip_checksum_errors_total"}
+    used = set(re.findall(r"agentzip_[a-z_]+", dash_text))
+    assert not used & deprecated, used & deprecated
+    rules = (Path(__file__).resolve().parents[2] / "deploy/prometheus/alerts.yaml").read_text()
+    assert not set(re.findall(r"agentzip_[a-z_]+", rules)) & deprecated
+
+
+def test_saving_ratio_is_a_share_and_requests_and_errors_carry_labels():
+    st = {"orig_mem": 4000, "stored_mem": 1000, "reads": 3, "writes": 2, "enospc": 1,
+          "checksum_errors": 4}
+    fams = {f.name: f for f in metrics.stats_metrics(st)}
+    assert fams["agentzip_memory_saving_ratio"].samples[0].value == 0.75
+    reqs = {s.labels["op"]: s.value for s in fams["agentzip_requests"].samples}
+    assert reqs == {"read": 3, "write": 2, "trim": 0, "zero": 0, "flush": 0}
+    errs = {s.labels["reason"]: s.value for s in fams["agentzip_store_errors"].samples}
+    assert errs == {"io": 0, "no_space": 1, "disk_full": 0, "disk_io": 0, "checksum": 4}
+    assert fams["agentzip_reads"].documentation.startswith("Deprecated: use ")
+
+
+def test_the_exporter_serves_metrics_only_and_404_elsewhere(tmp_path):
+    """A separate process of the installed CLI, its address from metrics.listen."""
+    import socket
+    import subprocess
+    import sys
+    import urllib.error
+    import urllib.request
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(f"metrics:\n  listen: 127.0.0.1:{port}\n")
+    az = str(Path(sys.executable).parent / "agentzip-blk")
+    proc = subprocess.Popen([az, "--config", str(cfg), "--run-dir", str(tmp_path / "run"),
+                             "metrics", "--no-cgroups", "--control", str(tmp_path / "none.sock")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert f"http://127.0.0.1:{port}/metrics" in line, line + proc.stderr.read()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics?x=1", timeout=20) as r:
+            assert r.status == 200 and b"agentzip_up 0.0" in r.read()
+        for path in ("/", "/metricsx", "/favicon.ico", "/metrics/"):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=20)
+            except urllib.error.HTTPError as e:
+                assert e.code == 404, path
+            else:
+                raise AssertionError(f"{path} answered 200")
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_a_bad_listen_address_is_one_line(tmp_path):
+    import subprocess
+    import sys
+    az = str(Path(sys.executable).parent / "agentzip-blk")
+    r = subprocess.run([az, "--run-dir", str(tmp_path), "metrics", "--listen", "9479"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "agentzip-blk: error: --listen: '9479' is not HOST:PORT (e.g. 127.0.0.1:9479, "
+        "[::1]:9479, 0.0.0.0:9479)"]
+
+
+def test_swap_attached_without_reading_state_json(tmp_path, monkeypatch):
+    """An exporter that is not root cannot read state.json (root's); it finds our area by the
+    loop device over RUN/mnt, so the server-down alert keeps its series."""
+    from agentzip_blk import procfs
+    from agentzip_blk.errors import SetupError
+    from agentzip_blk.host import chain, runstate
+
+    def denied(run_dir):
+        raise SetupError("state.json: permission denied")
+    monkeypatch.setattr(runstate.RunState, "load", classmethod(lambda cls, d: denied(d)))
+    monkeypatch.setattr(chain, "stray_loops", lambda run_dir: ["/dev/loop9"])
+    monkeypatch.setattr(procfs, "swap_area", lambda dev: object() if dev == "/dev/loop9" else None)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"pool:\n  swap_out_path: {tmp_path / 'tier'}\n")
+    assert metrics.HostSource(str(tmp_path), str(cfg))()["swap_attached"] is True
+    monkeypatch.setattr(procfs, "swap_area", lambda dev: None)
+    assert metrics.HostSource(str(tmp_path), str(cfg))()["swap_attached"] is False

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import configparser
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 
 from agentzip_blk import cli
 from agentzip_blk.fleet import systemd as units_install
+from agentzip_blk.host import swapunit
 
 ANALYZE = shutil.which("systemd-analyze")
 needs_analyze = pytest.mark.skipif(
@@ -173,3 +175,134 @@ def test_verify_catches_a_bad_key(tmp_path):
     r = verify(d, UNITS)
     out = r.stdout + r.stderr
     assert "MemorySwapMaxx" in out and "oneshotx" in out
+
+
+def test_a_stop_does_not_hang_a_reboot_for_half_an_hour():
+    svc = directives(units_install.SOURCE / "agentzip-blk.service")["Service"]
+    assert svc["TimeoutStopSec"] == ["5min"]
+
+
+def test_the_swap_unit_drop_in_is_what_systemd_escapes(tmp_path):
+    path = swapunit.write_order("/dev/loop12", str(tmp_path))
+    assert path == str(tmp_path / "dev-loop12.swap.d" / "50-agentzip.conf")
+    assert directives(Path(path))["Unit"]["Before"] == ["agentzip-blk.service"]
+    escape = shutil.which("systemd-escape")
+    if escape:
+        r = subprocess.run([escape, "--path", "--suffix=swap", "/dev/loop12"],
+                           capture_output=True, text=True, timeout=30)
+        assert r.stdout.strip() == swapunit.unit_name("/dev/loop12")
+    swapunit.remove_order("/dev/loop12", str(tmp_path))
+    assert not (tmp_path / "dev-loop12.swap.d").exists()
+
+
+def _with_swap_unit(tmp_path: Path) -> Path:
+    """Our units plus the swap unit systemd would make of /proc/swaps for /dev/loop0 (verify
+    needs a file for it), and a probe: ordered after agentzip-blk.service and before the swap
+    unit, and pulling both into its start. Only if the swap unit is ordered before
+    agentzip-blk.service does that close a cycle, so verify's word on the probe shows the order
+    the drop-in gives."""
+    d = Path(units_install.install(str(tmp_path), _bin()).unit_dir)
+    (d / "dev-loop0.swap").write_text("[Unit]\nDescription=agentzip swap (test)\n"
+                                      "[Swap]\nWhat=/dev/loop0\n")
+    (d / "order-probe.service").write_text(
+        "[Unit]\nDescription=order probe\nWants=agentzip-blk.service dev-loop0.swap\n"
+        "After=agentzip-blk.service\nBefore=dev-loop0.swap\n"
+        "[Service]\nType=oneshot\nExecStart=/bin/true\n")
+    return d
+
+
+@needs_analyze
+def test_the_drop_in_orders_the_swap_unit_stop_after_down(tmp_path):
+    d = _with_swap_unit(tmp_path)
+    swapunit.write_order("/dev/loop0", str(d))
+    r = verify(d, UNITS + ["dev-loop0.swap"])  # clean with the drop-in: no cycle, no warning
+    assert r.returncode == 0 and (r.stdout + r.stderr).strip() == "", r.stdout + r.stderr
+    r = verify(d, ["order-probe.service"])
+    assert "ordering cycle" in r.stdout + r.stderr, r.stdout + r.stderr
+    assert "dev-loop0.swap" in r.stdout + r.stderr
+
+
+@needs_analyze
+def test_without_the_drop_in_the_swap_unit_has_no_order(tmp_path):
+    """The negative control: the probe is fine when nothing orders the swap unit."""
+    d = _with_swap_unit(tmp_path)
+    r = verify(d, ["order-probe.service"])
+    assert "ordering cycle" not in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+@pytest.mark.skipif(not swapunit.systemd_running(),
+                    reason="systemd is not PID 1 here: no real start/stop (the order is "
+                           "verified with systemd-analyze above)")
+@pytest.mark.swap
+def test_a_real_stop_swaps_off_in_down_before_the_swap_unit(tmp_path):  # pragma: no cover
+    """Where systemd runs: the units in /run/systemd/system with a test config, start, then
+    stop; `down` (ExecStop) did the swapoff, with its lines in the journal, and the swap
+    unit is inactive after it."""
+    from agentzip_blk import procfs
+    if procfs.swaps():
+        pytest.skip("a swap area is active: this test must own swap")
+    b = _bin()
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(f"device: {{size: 256M, run_dir: {tmp_path / 'run'}}}\n"
+                   f"pool: {{swap_out_path: {tmp_path / 'tier'}}}\n")
+    res = units_install.install("/", b, unit_dir="run/systemd/system")
+    drop = Path("/run/systemd/system/agentzip-blk.service.d")
+    drop.mkdir(exist_ok=True)
+    (drop / "90-test.conf").write_text(f"[Service]\nExecStart=\nExecStart={b} --config {cfg} up\n"
+                                       f"ExecStop=\nExecStop={b} --config {cfg} down\n")
+
+    def ctl(*args):
+        return subprocess.run(["systemctl", *args], capture_output=True, text=True, timeout=600)
+    try:
+        ctl("daemon-reload")
+        assert ctl("start", "agentzip-blk.service").returncode == 0
+        (area,) = procfs.swaps()
+        unit = swapunit.unit_name(area.filename)
+        after = ctl("show", "-p", "After", "agentzip-blk.service").stdout
+        assert unit in after, after
+        assert ctl("stop", "agentzip-blk.service").returncode == 0
+        assert not procfs.swaps()
+        assert ctl("show", "-p", "ActiveState", unit).stdout.strip() == "ActiveState=inactive"
+        journal = subprocess.run(["journalctl", "-u", "agentzip-blk.service", "-n", "50",
+                                  "--no-pager"], capture_output=True, text=True).stdout
+        assert f"swapoff {area.filename}" in journal
+    finally:
+        ctl("stop", "agentzip-blk.service")
+        for f in res.files:
+            Path(f).unlink(missing_ok=True)
+        shutil.rmtree(drop, ignore_errors=True)
+        ctl("daemon-reload")
+
+
+def _exposure(unit_dir: Path, unit: str) -> tuple[float, str]:
+    env = dict(os.environ, SYSTEMD_UNIT_PATH=f"{unit_dir}:", SYSTEMD_LOG_COLOR="0")
+    r = subprocess.run([ANALYZE, "security", "--offline=true", "--no-pager", unit], env=env,
+                       capture_output=True, text=True, timeout=60)
+    m = re.search(r"Overall exposure level for \S+: ([0-9.]+)", r.stdout)
+    assert m, r.stdout + r.stderr
+    return float(m.group(1)), r.stdout
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "tools/debian/examples"
+
+
+@needs_analyze
+def test_the_exporter_unit_is_confined(tmp_path):
+    """`systemd-analyze security`: 9.6 UNSAFE before issue 29 (root, nothing taken away); now
+    root with two capabilities and a read-only view of the system, and with the shipped
+    non-root drop-in no capability at all."""
+    d = Path(units_install.install(str(tmp_path), _bin()).unit_dir)
+    score, out = _exposure(d, "agentzip-blk-metrics.service")
+    assert score <= 2.5, out
+    svc = directives(d / "agentzip-blk-metrics.service")["Service"]
+    assert set(svc["CapabilityBoundingSet"]) == {"CAP_SYS_ADMIN", "CAP_SYS_PTRACE"}
+    assert svc["ProtectSystem"] == ["strict"] and svc["NoNewPrivileges"] == ["yes"]
+    assert svc["ExecStart"][1:] == ["metrics"]  # the address is metrics.listen's
+    drop = d / "agentzip-blk-metrics.service.d"
+    drop.mkdir()
+    text = (EXAMPLES / "agentzip-blk-metrics-nonroot.conf").read_text()
+    (drop / "50-nonroot.conf").write_text(text.replace("/usr/bin/agentzip-blk", _bin()))
+    nonroot, out = _exposure(d, "agentzip-blk-metrics.service")
+    assert nonroot < score and nonroot <= 1.5, out
+    r = verify(d, ["agentzip-blk-metrics.service"])
+    assert r.returncode == 0 and (r.stdout + r.stderr).strip() == "", r.stdout + r.stderr

@@ -214,12 +214,16 @@ class Tuner:
 
     # -- the loop ---------------------------------------------------------------------------------
 
-    def run(self, stop: threading.Event, steps: int | None = None) -> None:
-        """Step every interval until *stop* is set (or *steps* steps were made)."""
+    def run(self, stop: threading.Event, steps: int | None = None,
+            after_step: Callable[[], None] | None = None) -> None:
+        """Step every interval until *stop* is set (or *steps* steps were made);
+        *after_step* (a heartbeat for probes) runs after each."""
         n = 0
         while not stop.is_set():
             t = self.clock()
             self.step()
+            if after_step is not None:
+                after_step()
             n += 1
             if steps is not None and n >= steps:
                 return

@@ -46,7 +46,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ...host.kubelet import DEFAULT_KUBELET_CONFIG, read_kubelet_swap, verdict
+from ...host.heartbeat import write as write_heartbeat
+from ...host.kubelet import (DEFAULT_KUBELET_CONFIG, kubelet_command_line, read_kubelet_swap,
+                             verdict)
 from . import annotations as ann
 from .podcgroup import pod_cgroup, qos_class, scope_glob, valid_uid
 
@@ -274,7 +276,9 @@ class NodeAgent:
         """The kubelet's swap settings into the result; a log line when the verdict changes."""
         if self.kubelet_config is None:
             return
-        k = read_kubelet_swap(self.kubelet_config)
+        # the kubelet's flags where its process is visible (hostPID): its --config-dir
+        # drop-ins and --fail-swap-on count too; the mounted file otherwise
+        k = read_kubelet_swap(self.kubelet_config, kubelet_command_line())
         status, detail, fix = verdict(k)
         res.kubelet = {"status": status, "detail": detail, "fix": fix, "pods_swap": k.pods_swap}
         if (status, detail) != self._kubelet_said:
@@ -288,15 +292,25 @@ class NodeAgent:
                     log.info("%s/%s is %s: LimitedSwap gives it no swap (Burstable Pods only)",
                              p.namespace, p.name, p.qos)
 
-    def run(self, interval: float, rounds: int | None = None) -> None:
+    def run(self, interval: float, rounds: int | None = None,
+            heartbeat: str | None = None) -> None:
+        """A round every *interval* s; after each, *heartbeat* (host.heartbeat) says it lives
+        and whether the round listed the Pods (ready) or failed (not ready, and why)."""
         n = 0
         while rounds is None or n < rounds:
             try:
                 r = self.run_once()
                 if r.added or r.removed:
                     log.info("scopes: +%s -%s", r.added, r.removed)
+                ready, detail = True, f"{len(r.wanted)} Pods in scope"
             except Exception as e:  # the API may be briefly unreachable: keep going
                 log.warning("round failed: %s: %s", type(e).__name__, e)
+                ready, detail = False, f"round failed: {type(e).__name__}: {e}"
+            if heartbeat:
+                try:
+                    write_heartbeat(heartbeat, ready, detail)
+                except OSError as e:  # a probe then fails: say why here too
+                    log.warning("heartbeat %s: %s", heartbeat, e.strerror or e)
             n += 1
             if rounds is None or n < rounds:
                 time.sleep(interval)
