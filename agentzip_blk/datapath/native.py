@@ -88,7 +88,10 @@ class NativePath:
                 enabled=self.writes, dedup=placer.dedup,
                 seed=placer.hasher.seed if isinstance(placer.hasher, PageHasher) else 0,
                 hot_ticks=store.hot_ticks, reclaim_bytes=store.reclaim_bytes,
-                max_blobs=MAX_BLOBS, doorbell=store.doorbell.fd)
+                max_blobs=MAX_BLOBS, doorbell=store.doorbell.fd,
+                dense=store.warm_codec is None, frame_pages=store.frame_pages,
+                level=store.codecs.writer.level if self.writes and store.warm_codec is None
+                else 3)
             if self.packs:
                 self._path.set_packing(store.frame_pages, store.codecs.writer.level)
                 store.recompressor.native_pack = self.pack
@@ -140,11 +143,15 @@ def packs_served(store: PageStore) -> bool:
 
 
 def writes_served(store: PageStore) -> bool:
-    """Whether the native path stores this store's writes: warm pages are lz4 at the default
-    acceleration without a dictionary (what nativestore.c writes), and pages are hashed with
-    the store's keyed hash (a test's weak hasher is Python's alone). Otherwise every write is
-    handed up, and frames at once (warm_algorithm: none) are Python's."""
+    """Whether the native path stores this store's writes, as nativestore.c writes them:
+    warm pages lz4 at the default acceleration (warm_algorithm: lz4), or frames at once
+    (warm_algorithm: none) with zstd, no dictionary (in frames the dictionaries measured
+    0-0.5%, BENCHMARKS.md "Dictionaries in frames"); and pages hashed with the store's keyed
+    hash (a test's weak hasher is Python's alone). Otherwise every write is handed up."""
     warm = store.warm_codec
-    if warm is None or warm.id != codecs.LZ4 or getattr(warm, "acceleration", None) != 1:
+    if warm is None:
+        if store.codecs.writer.id != codecs.ZSTD:
+            return False
+    elif warm.id != codecs.LZ4 or getattr(warm, "acceleration", None) != 1:
         return False
     return not store.placer.dedup or isinstance(store.placer.hasher, PageHasher)

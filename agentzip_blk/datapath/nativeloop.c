@@ -410,18 +410,26 @@ static PyObject *Path_set_tick_base(Path *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* set_writes(enabled, dedup, seed, hot_ticks, reclaim_bytes, max_blobs, doorbell): under
- * the store lock. enabled: warm pages are lz4 without a dictionary, so native writes store
- * them as Python would. */
+/* set_writes(enabled, dedup, seed, hot_ticks, reclaim_bytes, max_blobs, doorbell, dense,
+ * frame_pages, level): under the store lock. enabled: native writes store pages as Python
+ * would, warm (lz4 alone) or, with dense, in zstd frames of frame_pages at level. */
 static PyObject *Path_set_writes(Path *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"enabled", "dedup", "seed", "hot_ticks", "reclaim_bytes",
-                            "max_blobs", "doorbell", NULL};
-    int enabled, dedup, doorbell;
+                            "max_blobs", "doorbell", "dense", "frame_pages", "level", NULL};
+    int enabled, dedup, doorbell, dense = 0, frame_pages = 1, level = 3;
     unsigned long long seed, max_blobs;
     long long hot_ticks, reclaim_bytes;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "ppKLLKi", names, &enabled, &dedup, &seed,
-                                     &hot_ticks, &reclaim_bytes, &max_blobs, &doorbell))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "ppKLLKi|pii", names, &enabled, &dedup, &seed,
+                                     &hot_ticks, &reclaim_bytes, &max_blobs, &doorbell, &dense,
+                                     &frame_pages, &level))
         return NULL;
+    if (frame_pages < 1 || frame_pages > MAX_FRAME_PAGES || level < 1 || level > ZSTD_maxCLevel()) {
+        PyErr_SetString(PyExc_ValueError, "set_writes: frame pages 1-16, a zstd level");
+        return NULL;
+    }
+    self->wp.dense = dense;
+    self->wp.frame_pages = frame_pages;
+    self->wp.level = level;
     self->wp.enabled = enabled;
     self->wp.dedup = dedup;
     self->wp.seed = seed;
@@ -472,9 +480,12 @@ static int hand_up(Path *self, int reason) {
  * blobs it decodes after the lock and their decoded frames, and a zstd context. */
 #define READ_JOBS_ROOM (8 * MAX_FRAME_PAGES * MAX_COMPRESSED)
 typedef struct {
-    WritePage pages[MAX_PAGES];
+    WritePlan write;
     LZ4_stream_t lz4;
     uint8_t scratch[MAX_PAGES * MAX_COMPRESSED];
+    uint8_t frame[FRAME_BYTES];
+    ZSTD_CCtx *cctx_frame, *cctx_page; /* dense writes, made at the first (cctx_level) */
+    int cctx_level, cctx_pages;
     ReadPlan plan;
     uint8_t stored[READ_JOBS_ROOM];
     uint8_t frames[8 * FRAME_BYTES];
@@ -486,7 +497,52 @@ static pthread_key_t scratch_key;
 static void scratch_free(void *p) {
     ThreadScratch *s = p;
     ZSTD_freeDCtx(s->dctx);
+    ZSTD_freeCCtx(s->cctx_frame);
+    ZSTD_freeCCtx(s->cctx_page);
     free(s);
+}
+
+/* A zstd compression context as codecs._page_params sets one up for `bytes` of input:
+ * magicless, no content size or dictionary id, a content checksum for frames only. */
+static ZSTD_CCtx *store_cctx(int level, int bytes) {
+    ZSTD_CCtx *c = ZSTD_createCCtx();
+    if (c == NULL)
+        return NULL;
+    size_t e = 0;
+    e |= ZSTD_isError(ZSTD_CCtx_setParameter(c, ZSTD_c_compressionLevel, level));
+    e |= ZSTD_isError(ZSTD_CCtx_setParameter(c, ZSTD_c_format, ZSTD_f_zstd1_magicless));
+    e |= ZSTD_isError(ZSTD_CCtx_setParameter(c, ZSTD_c_contentSizeFlag, 0));
+    e |= ZSTD_isError(ZSTD_CCtx_setParameter(c, ZSTD_c_checksumFlag, bytes > PAGE));
+    e |= ZSTD_isError(ZSTD_CCtx_setParameter(c, ZSTD_c_dictIDFlag, 0));
+    e |= ZSTD_isError(ZSTD_CCtx_setParameter(c, ZSTD_c_srcSizeHint, bytes));
+    if (e) {
+        ZSTD_freeCCtx(c);
+        return NULL;
+    }
+    return c;
+}
+
+/* The thread's write plan for this store's settings: 0, or -1 when a context cannot be made. */
+static int write_plan(ThreadScratch *s, const WriteParams *p) {
+    if (p->dense && (s->cctx_frame == NULL || s->cctx_level != p->level ||
+                     s->cctx_pages != p->frame_pages)) {
+        ZSTD_freeCCtx(s->cctx_frame);
+        ZSTD_freeCCtx(s->cctx_page);
+        s->cctx_frame = store_cctx(p->level, p->frame_pages * PAGE);
+        s->cctx_page = store_cctx(p->level, PAGE);
+        s->cctx_level = p->level;
+        s->cctx_pages = p->frame_pages;
+        if (s->cctx_frame == NULL || s->cctx_page == NULL)
+            return -1;
+    }
+    s->write.scratch = s->scratch;
+    s->write.lz4 = &s->lz4;
+    s->write.frame = s->frame;
+    s->write.cctx_frame = s->cctx_frame;
+    s->write.cctx_page = s->cctx_page;
+    s->write.dctx = s->dctx;
+    s->write.dec = s->frames;
+    return 0;
 }
 
 static ZSTD_DCtx *magicless_dctx(void) {
@@ -505,6 +561,8 @@ static ThreadScratch *thread_scratch(void) {
         if (s == NULL)
             return NULL;
         s->dctx = magicless_dctx();
+        s->cctx_frame = s->cctx_page = NULL;
+        s->cctx_level = s->cctx_pages = 0;
         if (s->dctx == NULL || pthread_setspecific(scratch_key, s) != 0) {
             ZSTD_freeDCtx(s->dctx);
             free(s);
@@ -603,25 +661,32 @@ static int serve_write(Path *self, int fd, const uint8_t *r, ssize_t n, uint8_t 
         (uint64_t)n < (uint64_t)IN_HEADER + RW_IN + size || wlen < OUT_HEADER + WRITE_OUT)
         return hand_up(self, UP_SHAPE);
     ThreadScratch *s = thread_scratch();
-    if (s == NULL)
+    if (s == NULL || write_plan(s, &self->wp) < 0)
         return hand_up(self, UP_WRITE_ROOM);
     atomic_fetch_add(&self->in_flight, 1);
     double t0 = monotonic();
     uint64_t count = size / PAGE;
-    /* the expensive part (hashes, lz4) before the lock, as Placer.prepare */
-    int result = prepare_write(&self->wp, r + IN_HEADER + RW_IN, count, s->pages, s->scratch,
-                               &s->lz4);
-    if (result == SERVED) {
+    for (uint64_t i = 0; i < count; i++)
+        s->write.pages[i].found = 0;
+    int result = WRITE_REGROUP;
+    /* the expensive part (hashes, compression) before the lock, as Placer.prepare; again
+     * if dense frames have to be grouped anew around pages found stored */
+    for (int tries = 0; result == WRITE_REGROUP && tries < 3; tries++) {
+        result = prepare_write(&self->wp, r + IN_HEADER + RW_IN, count, &s->write);
+        if (result != SERVED)
+            break;
         result = UP_UNBOUND;
         pthread_mutex_lock(&self->lock->mu);
         if (self->bound && self->wp.enabled) {
             int64_t now = store_now(self->t0, self->tick_base);
             if (now < TICK_REBASE && now >= 1)
-                result = native_write(&self->t, &self->wp, &self->c, now, offset / PAGE, count,
-                                      s->pages);
+                result = native_write(&self->t, &self->fc, &self->wp, &self->c, now,
+                                      offset / PAGE, count, &s->write);
         }
         pthread_mutex_unlock(&self->lock->mu);
     }
+    if (result == WRITE_REGROUP)
+        result = UP_WRITE_DEDUP; /* the store kept changing under it: Python's */
     double elapsed = monotonic() - t0;
     atomic_fetch_sub(&self->in_flight, 1);
     if (result != SERVED)
@@ -797,12 +862,13 @@ static PyObject *Path_counters(Path *self, PyObject *unused) {
     StoreCounters *c = &self->c;
 #define U(x) (unsigned long long)atomic_load(&(x))
     return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsNsNsN}",
+        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsNsNsN}",
         "reads", U(c->reads), "pages_read", U(c->pages_read), "bytes_read", U(c->bytes_read),
         "writes", U(c->writes), "pages_written", U(c->pages_written),
         "bytes_written", U(c->bytes_written), "dedup_hits", U(c->dedup_hits),
         "dedup_compares", U(c->dedup_compares), "hash_collisions", U(c->hash_collisions),
         "pingpong", U(c->pingpong), "handed_up", U(self->handed_up),
+        "units_written", U(c->units_written), "unit_fallbacks", U(c->unit_fallbacks),
         "packed_pages", U(self->packed), "pack_raced", U(self->pack_raced),
         "pack_kept", U(self->pack_kept), "pack_bad", U(self->pack_bad),
         "frame_cache_hits", (unsigned long long)self->fc.hits,
@@ -824,7 +890,7 @@ static PyMethodDef Path_methods[] = {
     {"unbind", (PyCFunction)Path_unbind, METH_NOARGS, "unbind(), under the lock"},
     {"set_tick_base", (PyCFunction)Path_set_tick_base, METH_VARARGS, "under the lock"},
     {"set_writes", (PyCFunction)(void (*)(void))Path_set_writes, METH_VARARGS | METH_KEYWORDS,
-     "set_writes(enabled, dedup, seed, hot_ticks, reclaim_bytes, max_blobs, doorbell), under the lock"},
+     "set_writes(enabled, dedup, seed, hot_ticks, reclaim_bytes, max_blobs, doorbell, dense, frame_pages, level), under the lock"},
     {"serve", (PyCFunction)Path_serve, METH_VARARGS, "serve(fd, rbuf, wbuf) -> int"},
     {"set_packing", (PyCFunction)Path_set_packing, METH_VARARGS, "set_packing(frame_pages, level)"},
     {"pack", (PyCFunction)Path_pack, METH_VARARGS,

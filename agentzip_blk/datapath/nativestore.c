@@ -261,6 +261,34 @@ int finish_read(const ReadPlan *plan, const uint8_t *scratch, int checksums, voi
     return SERVED;
 }
 
+/* A decoded frame into the cache, in the place of the least recently used (under the lock). */
+static void cache_put(FrameCache *fc, uint32_t blob, uint32_t gen, const uint8_t *data,
+                      uint32_t pages, double when) {
+    if (fc->data == NULL) {
+        void *m = mmap(NULL, (size_t)FRAME_CACHE_ENTRIES * FRAME_BYTES, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (m == MAP_FAILED)
+            return;
+        madvise(m, (size_t)FRAME_CACHE_ENTRIES * FRAME_BYTES, MADV_DONTDUMP);
+        fc->data = m;
+    }
+    int victim = 0;
+    for (int c = 0; c < FRAME_CACHE_ENTRIES; c++) {
+        if (!fc->valid[c]) {
+            victim = c;
+            break;
+        }
+        if (fc->used[c] < fc->used[victim])
+            victim = c;
+    }
+    memcpy(fc->data + (size_t)victim * FRAME_BYTES, data, (size_t)pages * PAGE);
+    fc->blob[victim] = blob;
+    fc->gen[victim] = gen;
+    fc->valid[victim] = 1;
+    fc->resident[victim] = 1;
+    fc->used[victim] = when;
+}
+
 /* Under the lock again: the frames just decoded kept for their neighbours' reads, if their
  * rows still hold them (Objects.adopt). */
 void cache_frames(const Tables *t, FrameCache *fc, const ReadPlan *plan, const uint8_t *frames,
@@ -271,30 +299,7 @@ void cache_frames(const Tables *t, FrameCache *fc, const ReadPlan *plan, const u
         if (job->pages < 2 || job->blob >= t->nblobs || t->ref[job->blob] == 0 ||
             t->gen[job->blob] != job->gen || cache_find(fc, job->blob, job->gen) >= 0)
             continue;
-        if (fc->data == NULL) {
-            void *m = mmap(NULL, (size_t)FRAME_CACHE_ENTRIES * FRAME_BYTES, PROT_READ | PROT_WRITE,
-                           MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-            if (m == MAP_FAILED)
-                return;
-            madvise(m, (size_t)FRAME_CACHE_ENTRIES * FRAME_BYTES, MADV_DONTDUMP);
-            fc->data = m;
-        }
-        int victim = 0;
-        for (int c = 0; c < FRAME_CACHE_ENTRIES; c++) {
-            if (!fc->valid[c]) {
-                victim = c;
-                break;
-            }
-            if (fc->used[c] < fc->used[victim])
-                victim = c;
-        }
-        memcpy(fc->data + (size_t)victim * FRAME_BYTES, frames + (size_t)j * FRAME_BYTES,
-               (size_t)job->pages * PAGE);
-        fc->blob[victim] = job->blob;
-        fc->gen[victim] = job->gen;
-        fc->valid[victim] = 1;
-        fc->resident[victim] = 1;
-        fc->used[victim] = when;
+        cache_put(fc, job->blob, job->gen, frames + (size_t)j * FRAME_BYTES, job->pages, when);
     }
 }
 
@@ -580,15 +585,19 @@ static void release(Tables *t, uint32_t blob) {
     t->blob_state[BLOB_COUNT] -= 1;
 }
 
-/* Placer.store_warm -> Objects.new_page -> BlobTable.new: a warm one-page blob in a pool
- * cell with one reference, or NO_BLOB with nothing changed when there is no room (the pool
- * at its cap, no free blob row or arena id: Python's). */
-static uint32_t new_warm(Tables *t, const WriteParams *p, const WritePage *w, int64_t now) {
+/* Objects.new_page / new_frame -> BlobTable.new: a blob of `pages` pages (their index keys
+ * in `keys`) in a pool cell, one reference per page, or NO_BLOB with nothing changed when
+ * there is no room (the pool at its cap, no free blob row or arena id: Python's). */
+static uint32_t new_blob(Tables *t, const WriteParams *p, const uint8_t *stored, uint32_t len,
+                         uint8_t codec, uint32_t pages, const uint32_t *keys, uint32_t csum,
+                         uint8_t form, int64_t now) {
     int64_t *bs = t->blob_state;
     uint64_t next = (uint64_t)bs[BLOB_NEXT_UNUSED];
     if (bs[BLOB_FREE_HEAD] < 0 && (next >= t->nblobs || next >= p->max_blobs))
         return NO_BLOB; /* the maintainer grows the table ahead of need */
-    uint64_t cls = class_for(t, w->len);
+    if (len == 0 || len > t->class_cell[t->nclasses - 1])
+        return NO_BLOB;
+    uint64_t cls = class_for(t, (uint16_t)len);
     int32_t a = t->class_head[cls];
     if (a == NO_ARENA && (a = new_arena(t, cls)) == NO_ARENA)
         return NO_BLOB;
@@ -601,32 +610,71 @@ static uint32_t new_warm(Tables *t, const WriteParams *p, const WritePage *w, in
         bs[BLOB_NEXT_UNUSED] = (int64_t)next + 1;
     }
     uint32_t cell = pool_alloc(t, a, cls);
-    memcpy(cell_addr(t, a, cell), w->stored, w->len);
+    memcpy(cell_addr(t, a, cell), stored, len);
     t->arena[blob] = a;
     t->cell[blob] = cell;
-    t->length[blob] = w->len;
-    t->pages[blob] = 1;
-    t->codec[blob] = w->codec;
+    t->length[blob] = (uint16_t)len;
+    t->pages[blob] = (uint8_t)pages;
+    t->codec[blob] = codec;
     t->dict_id[blob] = 0;
-    t->ref[blob] = 1;
+    t->ref[blob] = pages;
     t->tier[blob] = TIER_POOL;
     t->atime[blob] = (uint32_t)now;
     t->rtime[blob] = 0;
-    t->csum[blob] = w->csum;
-    t->form[blob] = FORM_WARM;
+    t->csum[blob] = csum;
+    t->form[blob] = form;
     bs[BLOB_COUNT] += 1;
-    t->members[(uint64_t)blob * t->stride] = w->key;
-    index_insert(t, p, w->key, blob << SUB_BITS);
-    t->codec_pages[w->codec] += 1;
+    for (uint32_t k = 0; k < pages; k++) {
+        t->members[(uint64_t)blob * t->stride + k] = keys[k];
+        index_insert(t, p, keys[k], blob << SUB_BITS | k);
+    }
+    t->codec_pages[codec] += pages;
     return blob;
+}
+
+/* Placer.store_warm: a warm page alone */
+static uint32_t new_warm(Tables *t, const WriteParams *p, const WritePage *w, int64_t now) {
+    return new_blob(t, p, w->stored, w->len, w->codec, 1, &w->key, w->csum, FORM_WARM, now);
 }
 
 /* Placer.lookup: a stored page equal to `page`: 1 (found: *blob, *sub), 0 (none), or -1
  * with *reason when a candidate is one the native side cannot compare (a frame, a disk
  * blob: Python's frame cache and disk tier) or does not verify. */
-static int lookup(const Tables *t, int checksums, const WritePage *w, const uint8_t *page,
-                  uint32_t *blob, uint8_t *sub, uint64_t *compares, uint64_t *collisions,
-                  int *reason) {
+/* Page `sub` of a dense blob (zstd, no dictionary, in a pool cell), for a dedup comparison
+ * (Objects.page): from the frame cache, or decoded into `buf` (FRAME_BYTES) under the lock
+ * and the frame cached, as the Python path's comparison does. NULL when it does not
+ * verify or decode (Python counts it). */
+static const uint8_t *dense_page_of(const Tables *t, FrameCache *fc, void *dctx, uint8_t *buf,
+                                    int checksums, uint32_t b, uint8_t sub) {
+    uint32_t pages = t->pages[b];
+    double when = seconds_now();
+    if (pages > 1) {
+        int c = cache_find(fc, b, t->gen[b]);
+        if (c >= 0) {
+            fc->used[c] = when;
+            fc->hits++;
+            return fc->data + (size_t)c * FRAME_BYTES + (size_t)sub * PAGE;
+        }
+    }
+    const uint8_t *src = cell_addr(t, t->arena[b], t->cell[b]);
+    uint16_t len = t->length[b];
+    if (checksums && pages > 1 && (uint32_t)XXH3_64bits(src, len) != t->csum[b])
+        return NULL;
+    size_t got = ZSTD_decompressDCtx(dctx, buf, (size_t)pages * PAGE, src, len);
+    if (ZSTD_isError(got) || got != (size_t)pages * PAGE)
+        return NULL;
+    if (checksums && pages == 1 && page_csum(buf) != t->csum[b])
+        return NULL;
+    if (pages > 1) {
+        fc->misses++;
+        cache_put(fc, b, t->gen[b], buf, pages, when);
+    }
+    return buf + (size_t)sub * PAGE;
+}
+
+static int lookup(const Tables *t, FrameCache *fc, const WritePlan *plan, int checksums,
+                  const WritePage *w, const uint8_t *page, uint32_t *blob, uint8_t *sub,
+                  uint64_t *compares, uint64_t *collisions, int *reason) {
     uint8_t decoded[PAGE];
     uint16_t fp = fingerprint(w->key);
     uint64_t pos = home(t, w->key);
@@ -644,16 +692,24 @@ static int lookup(const Tables *t, int checksums, const WritePage *w, const uint
             if (b < t->nblobs && s < t->stride &&
                 t->members[(uint64_t)b * t->stride + s] == w->key) {
                 const uint8_t *src = servable(t, b);
-                if (src == NULL || s != 0) {
+                const uint8_t *stored_page = decoded;
+                if (src != NULL && s == 0) {
+                    if (!decode_page(t, checksums, b, src, decoded)) {
+                        *reason = UP_CORRUPT;
+                        return -1;
+                    }
+                } else if (dense_servable(t, b) && s < t->pages[b] && plan->dec != NULL) {
+                    stored_page = dense_page_of(t, fc, plan->dctx, plan->dec, checksums, b, s);
+                    if (stored_page == NULL) {
+                        *reason = UP_CORRUPT;
+                        return -1;
+                    }
+                } else { /* on disk, with a dictionary: Python's */
                     *reason = UP_WRITE_DEDUP;
                     return -1;
                 }
                 *compares += 1;
-                if (!decode_page(t, checksums, b, src, decoded)) {
-                    *reason = UP_CORRUPT;
-                    return -1;
-                }
-                if (memcmp(decoded, page, PAGE) == 0) {
+                if (memcmp(stored_page, page, PAGE) == 0) {
                     *blob = b;
                     *sub = s;
                     return 1;
@@ -669,13 +725,31 @@ static int lookup(const Tables *t, int checksums, const WritePage *w, const uint
 
 /* -- writes ---------------------------------------------------------------------------- */
 
-/* Placer.prepare for the warm form, without the lock (and without the GIL): for each page,
- * same-filled or not, its keyed hash, an equal earlier page of the request, and its stored
- * bytes (lz4 into `scratch`, MAX_COMPRESSED bytes a page, or the page itself when that
- * does not pay; `lz4_state` is an LZ4_stream_t's room). SERVED, or UP_WRITE_WORD for a same-filled page other than zero (the words
- * table is Python's). */
-int prepare_write(const WriteParams *p, const uint8_t *data, uint64_t count, WritePage *wp,
-                  uint8_t *scratch, void *lz4_state) {
+/* A page compressed alone with zstd (codecs.encode_page with the writer: a page that does
+ * not pay is stored raw), into `out` (MAX_COMPRESSED bytes). */
+static void dense_page(const WriteParams *p, void *cctx, const uint8_t *page, uint8_t *out,
+                       WritePage *w) {
+    size_t n = ZSTD_compress2(cctx, out, MAX_COMPRESSED, page, PAGE);
+    if (!ZSTD_isError(n) && n > 0) {
+        w->stored = out;
+        w->len = (uint16_t)n;
+        w->codec = CODEC_ZSTD;
+    } else {
+        w->stored = page;
+        w->len = PAGE;
+        w->codec = CODEC_RAW;
+    }
+}
+
+/* Placer.prepare, without the lock (and without the GIL): for each page, same-filled or
+ * not, its keyed hash and an equal earlier page of the request; then the stored bytes of
+ * the new pages: warm, lz4 alone (or the page itself when that does not pay); dense, the
+ * groups of frame_pages new pages (not found stored at the last try) compressed as one zstd
+ * frame, and the pages of a group of one or of a frame that does not pay compressed alone.
+ * SERVED, or UP_WRITE_WORD for a same-filled page other than zero (the words table is
+ * Python's). `plan->pages[i].found` is kept from the last try. */
+int prepare_write(const WriteParams *p, const uint8_t *data, uint64_t count, WritePlan *plan) {
+    WritePage *wp = plan->pages;
     for (uint64_t i = 0; i < count; i++) {
         const uint8_t *page = data + i * PAGE;
         WritePage *w = &wp[i];
@@ -683,6 +757,7 @@ int prepare_write(const WriteParams *p, const uint8_t *data, uint64_t count, Wri
         w->repeat_of = -1;
         w->blob = NO_BLOB;
         w->sub = 0;
+        w->stored = NULL;
         /* placement.same_filled: one 64-bit word repeated <=> the page equals itself
          * shifted by a word */
         w->same = memcmp(page, page + 8, PAGE - 8) == 0;
@@ -709,12 +784,13 @@ int prepare_write(const WriteParams *p, const uint8_t *data, uint64_t count, Wri
             }
         }
         w->key = index_key(w->lo);
-        if (w->repeat_of >= 0)
+        w->csum = p->checksums ? page_csum(page) : 0;
+        if (w->repeat_of >= 0 || p->dense)
             continue;
-        uint8_t *out = scratch + i * MAX_COMPRESSED;
+        uint8_t *out = plan->scratch + i * MAX_COMPRESSED;
         /* python-lz4's call (a fresh stream, compress_fast_continue): its output, which
          * is smaller than one-shot LZ4_compress_fast's on these pages, at the same speed */
-        LZ4_stream_t *stream = LZ4_initStream(lz4_state, sizeof(LZ4_stream_t));
+        LZ4_stream_t *stream = LZ4_initStream(plan->lz4, sizeof(LZ4_stream_t));
         int n = LZ4_compress_fast_continue(stream, (const char *)page, (char *)out, PAGE,
                                            MAX_COMPRESSED, 1);
         if (n > 0) { /* codecs.pays: it fit in MAX_COMPRESSED */
@@ -726,7 +802,44 @@ int prepare_write(const WriteParams *p, const uint8_t *data, uint64_t count, Wri
             w->len = PAGE;
             w->codec = CODEC_RAW;
         }
-        w->csum = p->checksums ? page_csum(page) : 0;
+    }
+    plan->ngroups = 0;
+    if (!p->dense)
+        return SERVED;
+    /* the groups: runs of frame_pages new pages, in order, wherever they are */
+    WriteGroup *g = NULL;
+    for (uint64_t i = 0; i < count; i++) {
+        const WritePage *w = &wp[i];
+        if (w->same || w->repeat_of >= 0 || w->found)
+            continue;
+        if (g == NULL || g->m == p->frame_pages) {
+            g = &plan->groups[plan->ngroups++];
+            g->m = 0;
+            g->len = 0;
+        }
+        g->pos[g->m++] = (uint16_t)i;
+    }
+    for (uint32_t k = 0; k < plan->ngroups; k++) {
+        WriteGroup *grp = &plan->groups[k];
+        /* its output at its first page's place: the next group starts past its last page */
+        uint8_t *out = plan->scratch + (size_t)grp->pos[0] * MAX_COMPRESSED;
+        if (grp->m > 1) {
+            for (uint16_t j = 0; j < grp->m; j++)
+                memcpy(plan->frame + (size_t)j * PAGE, wp[grp->pos[j]].page, PAGE);
+            size_t n = ZSTD_compress2(plan->cctx_frame, out, (size_t)grp->m * MAX_COMPRESSED,
+                                      plan->frame, (size_t)grp->m * PAGE);
+            if (!ZSTD_isError(n) && n > 0) { /* codecs.pays */
+                grp->len = (uint32_t)n;
+                grp->stored = out;
+                grp->csum = p->checksums ? (uint32_t)XXH3_64bits(out, n) : 0;
+                continue;
+            }
+        }
+        for (uint16_t j = 0; j < grp->m; j++) { /* alone (Placer.store_group's fallback) */
+            uint16_t i = grp->pos[j];
+            dense_page(p, plan->cctx_page, wp[i].page, plan->scratch + (size_t)i * MAX_COMPRESSED,
+                       &wp[i]);
+        }
     }
     return SERVED;
 }
@@ -756,8 +869,9 @@ static uint64_t pingpong(const Tables *t, int64_t hot, int64_t now, uint64_t fir
  * SERVED, or a hand-up reason with the books exactly as they were (ticks aside). As in
  * Python, every new page gets its home first (staged); only then are the old contents
  * released and the slots switched. */
-int native_write(Tables *t, const WriteParams *p, StoreCounters *c, int64_t now,
-                 uint64_t first, uint64_t count, WritePage *wp) {
+int native_write(Tables *t, FrameCache *fc, const WriteParams *p, StoreCounters *c,
+                 int64_t now, uint64_t first, uint64_t count, WritePlan *plan) {
+    WritePage *wp = plan->pages;
     if (first + count > t->nslots || count > MAX_PAGES)
         return UP_SHAPE;
     /* 1. what the slots hold now must be ours to release: pool blobs, the zero word */
@@ -784,20 +898,61 @@ int native_write(Tables *t, const WriteParams *p, StoreCounters *c, int64_t now,
         if (w->same || w->repeat_of >= 0)
             continue;
         int reason = SERVED;
-        int found = lookup(t, p->checksums, w, w->page, &w->blob, &w->sub, &compares,
-                           &collisions, &reason);
+        int found = lookup(t, fc, plan, p->checksums, w, w->page, &w->blob, &w->sub,
+                           &compares, &collisions, &reason);
         if (found < 0)
             return reason;
         if (!found)
             w->blob = NO_BLOB;
     }
-    /* 3. stage: one reference per page, new warm blobs for the pages not found */
+    if (p->dense) { /* the groups were made for the pages found at the last try */
+        int regroup = 0;
+        for (uint64_t i = 0; i < count; i++) {
+            WritePage *w = &wp[i];
+            if (w->same || w->repeat_of >= 0)
+                continue;
+            uint8_t found = w->blob != NO_BLOB;
+            if (found != w->found) {
+                w->found = found;
+                regroup = 1;
+            }
+        }
+        if (regroup)
+            return WRITE_REGROUP;
+    }
+    /* 3. stage: one reference per page, new blobs for the pages not found: warm pages, or
+     * dense frames and pages alone */
     uint32_t staged[MAX_PAGES];
     uint64_t nstaged = 0;
+    uint64_t units = 0, fallbacks = 0;
+    for (uint32_t k = 0; k < plan->ngroups; k++) {
+        WriteGroup *grp = &plan->groups[k];
+        if (grp->len == 0) {
+            fallbacks += grp->m > 1;
+            continue; /* its pages alone, below */
+        }
+        uint32_t keys[MAX_FRAME_PAGES];
+        for (uint16_t j = 0; j < grp->m; j++)
+            keys[j] = wp[grp->pos[j]].key;
+        uint32_t blob = new_blob(t, p, grp->stored, grp->len, CODEC_ZSTD, grp->m, keys,
+                                 grp->csum, FORM_DENSE, now);
+        if (blob == NO_BLOB) {
+            for (uint64_t q = 0; q < nstaged; q++)
+                release(t, staged[q]);
+            ring_doorbell(p, c, now);
+            return UP_WRITE_ROOM;
+        }
+        for (uint16_t j = 0; j < grp->m; j++) {
+            wp[grp->pos[j]].blob = blob;
+            wp[grp->pos[j]].sub = (uint8_t)j;
+            staged[nstaged++] = blob;
+        }
+        units++;
+    }
     for (uint64_t i = 0; i < count; i++) {
         WritePage *w = &wp[i];
-        if (w->same || w->repeat_of >= 0)
-            continue;
+        if (w->same || w->repeat_of >= 0 || (p->dense && w->stored == NULL && !w->found))
+            continue; /* a repeat, or a page of a frame staged above */
         if (w->blob != NO_BLOB) { /* Placer.lookup's share */
             ref_blob(t, w->blob);
             t->atime[w->blob] = (uint32_t)now;
@@ -806,7 +961,9 @@ int native_write(Tables *t, const WriteParams *p, StoreCounters *c, int64_t now,
             if (rt && now - rt <= p->hot_ticks)
                 pp++; /* the same content came back right after a read */
         } else {
-            w->blob = new_warm(t, p, w, now);
+            w->blob = p->dense ? new_blob(t, p, w->stored, w->len, w->codec, 1, &w->key,
+                                          w->csum, FORM_DENSE, now)
+                               : new_warm(t, p, w, now);
             w->sub = 0;
             if (w->blob == NO_BLOB) {
                 for (uint64_t k = 0; k < nstaged; k++)
@@ -857,6 +1014,8 @@ int native_write(Tables *t, const WriteParams *p, StoreCounters *c, int64_t now,
     atomic_fetch_add(&c->dedup_compares, compares);
     atomic_fetch_add(&c->hash_collisions, collisions);
     atomic_fetch_add(&c->pingpong, pp);
+    atomic_fetch_add(&c->units_written, units);
+    atomic_fetch_add(&c->unit_fallbacks, fallbacks);
     /* the maintainer, now rather than at its next round: the pool past its threshold, the
      * index, the blob table or the arena books near full */
     const int64_t *is = t->index_state;

@@ -116,7 +116,10 @@ typedef struct {
 
 /* What the write path needs to know besides the tables (set by Python, under the lock). */
 typedef struct {
-    int enabled;         /* warm pages are lz4, no dictionary: native writes may serve */
+    int enabled;         /* native writes may serve (warm lz4, or dense frames: `dense`) */
+    int dense;           /* warm_algorithm none: new pages go into zstd frames at once */
+    int frame_pages;     /* compression.frame_pages (dense) */
+    int level;           /* compression.level (dense: zstd) */
     int dedup;           /* compression.dedup */
     int checksums;       /* store.integrity.CHECKSUMS */
     uint64_t seed;       /* dedup.PageHasher's seed */
@@ -144,6 +147,7 @@ typedef struct {
     atomic_ullong reads, pages_read, bytes_read;
     atomic_ullong writes, pages_written, bytes_written;
     atomic_ullong dedup_hits, dedup_compares, hash_collisions, pingpong;
+    atomic_ullong units_written, unit_fallbacks;
     atomic_ullong handed_up[UP_REASONS];
     atomic_llong last_ring; /* the tick of the last doorbell ring */
 } StoreCounters;
@@ -226,15 +230,43 @@ typedef struct {
     uint8_t codec;     /* CODEC_LZ4, or CODEC_RAW when compression does not pay */
     uint32_t csum;
     const uint8_t *stored;
+    uint8_t found;     /* dense: found stored at the last try, so in no frame */
     /* placed under the lock */
     uint32_t blob;
     uint8_t sub;
 } WritePage;
 
-int prepare_write(const WriteParams *p, const uint8_t *data, uint64_t count, WritePage *wp,
-                  uint8_t *scratch, void *lz4_state);
-int native_write(Tables *t, const WriteParams *p, StoreCounters *c, int64_t now,
-                 uint64_t first, uint64_t count, WritePage *wp);
+/* Dense writes (warm_algorithm none): the request's new pages in frames of frame_pages, as
+ * Placer.prepare groups them; a group of one, or one whose frame does not pay, is stored
+ * page by page (each in `pages`). */
+typedef struct {
+    uint16_t m;                    /* pages */
+    uint16_t pos[MAX_FRAME_PAGES]; /* their places in the request */
+    uint32_t len;                  /* the frame's bytes; 0: stored page by page */
+    const uint8_t *stored;
+    uint32_t csum;
+} WriteGroup;
+
+typedef struct {
+    WritePage pages[MAX_PAGES];
+    WriteGroup groups[MAX_PAGES];
+    uint32_t ngroups;
+    uint8_t *scratch;     /* MAX_PAGES * MAX_COMPRESSED */
+    void *lz4;            /* an LZ4_stream_t's room */
+    void *cctx_frame;     /* ZSTD_CCtx for frames (dense), for pages alone */
+    void *cctx_page;
+    uint8_t *frame;       /* FRAME_BYTES: a group's pages, contiguous */
+    void *dctx;           /* ZSTD_DCtx and FRAME_BYTES for dedup comparisons with frames */
+    uint8_t *dec;
+} WritePlan;
+
+/* native_write, dense: a page found stored that is in a frame (or one found before that is
+ * not found now): the groups change; prepare again (the marks kept), then write again */
+#define WRITE_REGROUP (-3)
+
+int prepare_write(const WriteParams *p, const uint8_t *data, uint64_t count, WritePlan *plan);
+int native_write(Tables *t, FrameCache *fc, const WriteParams *p, StoreCounters *c,
+                 int64_t now, uint64_t first, uint64_t count, WritePlan *plan);
 void ring_doorbell(const WriteParams *p, StoreCounters *c, int64_t now);
 
 #endif

@@ -193,7 +193,8 @@ def _counters(store: PageStore) -> dict:
 
 # what a request path outside Python counts of the store's request counters (objects.Counters)
 OUTSIDE_COUNTERS = ("reads", "bytes_read", "writes", "bytes_written", "dedup_hits",
-                    "dedup_compares", "hash_collisions", "pingpong")
+                    "dedup_compares", "hash_collisions", "pingpong", "units_written",
+                    "unit_fallbacks")
 
 
 def _forms(store: PageStore, f: _Frozen, same_pages: int) -> dict:
