@@ -68,7 +68,7 @@ def _stats(cfg) -> dict:
 def _area_used_pages(device: str) -> int:
     for area in procfs.swaps():
         if os.path.realpath(area.filename) == os.path.realpath(device):
-            return area.used * 1024 // PAGE
+            return area.used // PAGE  # procfs gives bytes
     raise AssertionError(f"{device} is not in /proc/swaps")
 
 
