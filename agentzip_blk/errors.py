@@ -6,6 +6,8 @@ Errors private to one module (a full pool, a full disk tier) stay in that module
 
 from __future__ import annotations
 
+import errno
+
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the key and the value."""
@@ -33,3 +35,14 @@ class SetupError(RuntimeError):
 
 class DeviceError(RuntimeError):
     """A runtime failure of the attach/detach chain (a tool failed, a timeout)."""
+
+
+def errno_of(exc: BaseException) -> int:
+    """The errno a failed request answers, behind either front door (the nbdkit plugin and
+    the FUSE door): EINVAL for a range outside the device, ENOSPC when no tier has room (the
+    kernel keeps the page), EIO for anything else."""
+    if isinstance(exc, OutOfRange):
+        return errno.EINVAL
+    if isinstance(exc, StoreFull):
+        return errno.ENOSPC
+    return errno.EIO

@@ -46,10 +46,10 @@ class MemBackend:
     def __init__(self, size: int) -> None:
         self.buf = bytearray(size)
 
-    def readinto(self, out, offset: int) -> None:
+    def pread(self, out, offset: int) -> None:
         out[:] = self.buf[offset:offset + len(out)]
 
-    def write(self, data, offset: int) -> None:
+    def pwrite(self, data, offset: int) -> None:
         self.buf[offset:offset + len(data)] = data
 
     def trim(self, offset: int, length: int) -> None:

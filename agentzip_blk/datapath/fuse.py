@@ -15,8 +15,11 @@ Python (BENCHMARKS.md, "Front doors"), because:
   the C floor (tools/bench_frontdoor.py, BENCHMARKS.md "Front doors").
 
 Threads: ``threads`` workers block in read(2) on the one /dev/fuse descriptor; the kernel
-hands each request to one of them. They release the GIL in read/write and call the store,
-which has its own lock. No signal handler is installed; nothing here touches signals.
+hands each request to one of them. They release the GIL in read/write and call the backend:
+in the server, `datapath.server.Server`, the request path the nbdkit plugin calls too (its
+latency histograms, per-thread protection; the store has its own lock). With the native path
+(`datapath.native`) a worker's read(2) happens in C, which serves what it can and hands the
+rest up here. No signal handler is installed; nothing here touches signals.
 
 Unmount (``fusermount3 -u`` or ``umount``) ends the connection: every worker's read then
 fails with ENODEV and the workers exit. ``stop`` unmounts lazily if still mounted and
@@ -37,6 +40,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
+
+from ..errors import errno_of
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +79,7 @@ MAX_IO = 1 << 20  # max_write/max_read: 256 pages per request
 PAGE = 4096
 
 IN_HEADER = struct.Struct("<IIQQIIIHH")  # len opcode unique nodeid uid gid pid extlen pad
+ARG = IN_HEADER.size  # where a request's own arguments start
 OUT_HEADER = struct.Struct("<IiQ")        # len error unique
 ATTR = struct.Struct("<QQQQQQIIIIIIIIII")
 ENTRY_OUT = struct.Struct("<QQQQII")      # + ATTR
@@ -111,10 +117,12 @@ class NativeServe(Protocol):
 
 
 class Backend(Protocol):
-    """What the front door serves: the store's request interface."""
+    """What the front door serves: the request interface of `datapath.server.Server` (the
+    one the nbdkit plugin calls). A failed call's exception becomes its errno
+    (errors.errno_of)."""
 
-    def readinto(self, buf, offset: int) -> None: ...
-    def write(self, buf, offset: int) -> None: ...
+    def pread(self, buf, offset: int) -> None: ...
+    def pwrite(self, buf, offset: int) -> None: ...
     def trim(self, offset: int, length: int) -> None: ...
     def zero(self, offset: int, length: int) -> None: ...
     def flush(self) -> None: ...
@@ -132,15 +140,15 @@ class FuseStats:
     threads: list[int] = field(default_factory=list)
 
 
-def default_errno(exc: BaseException) -> int:
-    """The errno a failed request answers: the store's range and capacity errors by name,
-    EIO for anything else (the same mapping as the nbdkit plugin's)."""
-    name = type(exc).__name__
-    if name == "OutOfRange":
-        return errno.EINVAL
-    if name == "StoreFull":
-        return errno.ENOSPC
-    return errno.EIO
+@dataclass
+class _Worker:
+    """One worker's descriptor and buffers, made once: a request is read into `rbuf` and a
+    read's reply built in `wbuf` (the views slice them without copies)."""
+    fd: int
+    rbuf: bytearray
+    rview: memoryview
+    wbuf: bytearray
+    wview: memoryview
 
 
 # -- mounting ---------------------------------------------------------------------------------
@@ -184,14 +192,12 @@ class FuseFile:
     """Serve ``name`` (``size`` bytes, mode 0600) at ``mountpoint`` from ``backend``.
 
     ``on_thread`` runs once in each worker before it serves (e.g. the server's per-thread
-    PR_SET_IO_FLUSHER). ``observe_read``/``observe_write`` get each request's seconds.
+    PR_SET_IO_FLUSHER). Requests are dispatched by opcode through a table (`_handlers`);
+    an opcode it does not name is answered ENOSYS.
     """
 
     def __init__(self, mountpoint: str, size: int, backend: Backend, *, name: str = "device",
                  threads: int = 4, on_thread: Callable[[], None] | None = None,
-                 errno_of: Callable[[BaseException], int] = default_errno,
-                 observe_read: Callable[[float], None] | None = None,
-                 observe_write: Callable[[float], None] | None = None,
                  direct_io: bool = True, native: NativeServe | None = None) -> None:
         if size <= 0 or size % PAGE:
             raise ValueError(f"size {size} is not a positive multiple of {PAGE}")
@@ -204,9 +210,6 @@ class FuseFile:
         self.name = name.encode()
         self.threads = max(1, int(threads))
         self.on_thread = on_thread
-        self.errno_of = errno_of
-        self.observe_read = observe_read
-        self.observe_write = observe_write
         self.open_flags = FOPEN_DIRECT_IO if direct_io else 0
         # datapath.native.NativePath: reads requests itself and hands up what it does not serve
         self.native = native
@@ -221,6 +224,19 @@ class FuseFile:
                                     stat.S_IFREG | 0o600, 1, 0, 0, 0, PAGE, 0)
         self._root_attr = ATTR.pack(ROOT_ID, 0, 0, now, now, now, 0, 0, 0,
                                     stat.S_IFDIR | 0o700, 2, 0, 0, 0, PAGE, 0)
+        # opcode -> handler(worker, unique, nodeid, request length)
+        self._handlers: dict[int, Callable[[_Worker, int, int, int], None]] = {
+            READ: self._read, WRITE: self._write, FALLOCATE: self._fallocate,
+            GETATTR: self._getattr, LOOKUP: self._lookup,
+            # no reply expected (an interrupted request still gets its answer)
+            FORGET: self._no_reply, BATCH_FORGET: self._no_reply, INTERRUPT: self._no_reply,
+            OPEN: self._open, OPENDIR: self._opendir,
+            RELEASE: self._ok, RELEASEDIR: self._ok, ACCESS: self._ok, FSYNCDIR: self._ok,
+            DESTROY: self._ok,
+            FLUSH: self._flush, FSYNC: self._flush,
+            SETATTR: self._setattr, READDIR: self._readdir, STATFS: self._statfs,
+            LSEEK: self._lseek, INIT: self._init,
+        }
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -290,9 +306,8 @@ class FuseFile:
         self.stats.threads.append(threading.get_native_id())
         fd = self._fd
         rbuf = bytearray(MAX_IO + 2 * PAGE)
-        rview = memoryview(rbuf)
         wbuf = bytearray(OUT_HEADER.size + MAX_IO)
-        wview = memoryview(wbuf)
+        io = _Worker(fd, rbuf, memoryview(rbuf), wbuf, memoryview(wbuf))
         native = self.native
         while True:
             try:
@@ -317,7 +332,7 @@ class FuseFile:
             if n < IN_HEADER.size:
                 continue
             try:
-                self._dispatch(fd, rbuf, rview, n, wbuf, wview)
+                self._dispatch(io, n)
             except Exception as exc:  # a bug here must not kill the worker
                 self.stats.errors += 1
                 self.stats.last_error = f"{type(exc).__name__}: {exc}"
@@ -339,122 +354,63 @@ class FuseFile:
             if e.errno not in (errno.ENOENT, errno.ENODEV, errno.EBADF):
                 raise
 
-    def _dispatch(self, fd, rbuf, rview, n, wbuf, wview) -> None:
-        _len, opcode, unique, nodeid = IN_HEADER.unpack_from(rbuf, 0)[:4]
-        arg = IN_HEADER.size
-        if opcode == READ:
-            _fh, offset, size = RW_IN.unpack_from(rbuf, arg)[:3]
-            if nodeid != FILE_ID:
-                return self._reply_error(fd, unique, errno.EISDIR)
-            size = max(0, min(size, self.size - offset, MAX_IO))
-            t0 = time.perf_counter()
-            try:
-                if size:
-                    self.backend.readinto(wview[OUT_HEADER.size:OUT_HEADER.size + size], offset)
-            except Exception as exc:
-                return self._fail(fd, unique, exc)
-            elapsed = time.perf_counter() - t0
-            OUT_HEADER.pack_into(wbuf, 0, OUT_HEADER.size + size, 0, unique)
-            try:
-                os.write(fd, wview[:OUT_HEADER.size + size])
-            except OSError as e:
-                if e.errno != errno.ENOENT:
-                    raise
-            with self._stats_lock:  # latency.Histogram takes no lock of its own
-                self.stats.reads += 1
-                if self.observe_read is not None:
-                    self.observe_read(elapsed)
-            return None
-        if opcode == WRITE:
-            _fh, offset, size = RW_IN.unpack_from(rbuf, arg)[:3]
-            data = arg + RW_IN.size
-            if nodeid != FILE_ID:
-                return self._reply_error(fd, unique, errno.EISDIR)
-            if offset + size > self.size:
-                return self._reply_error(fd, unique, errno.ENOSPC)
-            t0 = time.perf_counter()
-            try:
-                self.backend.write(rview[data:data + size], offset)
-            except Exception as exc:
-                return self._fail(fd, unique, exc)
-            elapsed = time.perf_counter() - t0
-            self._reply(fd, unique, WRITE_OUT.pack(size, 0))
-            with self._stats_lock:
-                self.stats.writes += 1
-                if self.observe_write is not None:
-                    self.observe_write(elapsed)
-            return None
-        if opcode == FALLOCATE:
-            _fh, offset, length, mode = FALLOCATE_IN.unpack_from(rbuf, arg)[:4]
-            return self._fallocate(fd, unique, nodeid, offset, length, mode)
-        if opcode == GETATTR:
-            attr = self._attr(nodeid)
-            if attr is None:
-                return self._reply_error(fd, unique, errno.ENOENT)
-            return self._reply(fd, unique, ATTR_OUT.pack(VALID_S, 0, 0) + attr)
-        if opcode == LOOKUP:
-            name = bytes(rview[arg:n]).split(b"\0", 1)[0]
-            if nodeid != ROOT_ID or name != self.name:
-                return self._reply_error(fd, unique, errno.ENOENT)
-            return self._reply(fd, unique, ENTRY_OUT.pack(FILE_ID, 0, VALID_S, VALID_S, 0, 0)
-                               + self._file_attr)
-        if opcode in (FORGET, BATCH_FORGET, INTERRUPT):
-            return None  # no reply expected (an interrupted request still gets its answer)
-        if opcode in (OPEN, OPENDIR):
-            flags = self.open_flags if opcode == OPEN else 0
-            if self._attr(nodeid) is None:
-                return self._reply_error(fd, unique, errno.ENOENT)
-            return self._reply(fd, unique, OPEN_OUT.pack(nodeid, flags, 0))
-        if opcode in (RELEASE, RELEASEDIR, ACCESS, FSYNCDIR):
-            return self._reply(fd, unique)
-        if opcode in (FLUSH, FSYNC):
-            try:
-                self.backend.flush()
-            except Exception as exc:
-                return self._fail(fd, unique, exc)
-            return self._reply(fd, unique)
-        if opcode == SETATTR:
-            # the size is fixed and modes are ours; answer the attributes (truncate to the
-            # same size, utimes and chmod are harmless no-ops)
-            valid = struct.unpack_from("<I", rbuf, arg)[0]
-            new_size = struct.unpack_from("<Q", rbuf, arg + 16)[0]
-            if valid & (1 << 3) and new_size != self.size and nodeid == FILE_ID:  # FATTR_SIZE
-                return self._reply_error(fd, unique, errno.EPERM)
-            attr = self._attr(nodeid)
-            if attr is None:
-                return self._reply_error(fd, unique, errno.ENOENT)
-            return self._reply(fd, unique, ATTR_OUT.pack(VALID_S, 0, 0) + attr)
-        if opcode == READDIR:
-            offset, size = RW_IN.unpack_from(rbuf, arg)[1:3]
-            return self._reply(fd, unique, self._readdir(offset, size))
-        if opcode == STATFS:
-            blocks = self.size // PAGE
-            return self._reply(fd, unique, KSTATFS.pack(blocks, 0, 0, 2, 0, PAGE, 255, PAGE,
-                                                        0, 0, 0, 0, 0, 0, 0))
-        if opcode == LSEEK:
-            _fh, offset, whence = LSEEK_IN.unpack_from(rbuf, arg)[:3]
-            if whence == 3:  # SEEK_DATA: all of it is data
-                if offset >= self.size:
-                    return self._reply_error(fd, unique, errno.ENXIO)
-                return self._reply(fd, unique, LSEEK_OUT.pack(offset))
-            if whence == 4:  # SEEK_HOLE
-                return self._reply(fd, unique, LSEEK_OUT.pack(self.size))
-            return self._reply_error(fd, unique, errno.EINVAL)
-        if opcode == INIT:
-            return self._init(fd, unique, rbuf, arg)
-        if opcode == DESTROY:
-            return self._reply(fd, unique)
-        return self._reply_error(fd, unique, errno.ENOSYS)
-
     def _fail(self, fd: int, unique: int, exc: BaseException) -> None:
+        """A backend call failed: count it and answer its errno (errors.errno_of)."""
         with self._stats_lock:
             self.stats.errors += 1
         self.stats.last_error = f"{type(exc).__name__}: {exc}"
-        self._reply_error(fd, unique, self.errno_of(exc))
+        self._reply_error(fd, unique, errno_of(exc))
 
-    def _fallocate(self, fd, unique, nodeid, offset, length, mode) -> None:
+    def _dispatch(self, io: _Worker, n: int) -> None:
+        opcode, unique, nodeid = IN_HEADER.unpack_from(io.rbuf, 0)[1:4]
+        handler = self._handlers.get(opcode)
+        if handler is None:
+            return self._reply_error(io.fd, unique, errno.ENOSYS)
+        return handler(io, unique, nodeid, n)
+
+    # -- the opcodes (each: worker, unique, nodeid, request length) ---------------------
+
+    def _read(self, io: _Worker, unique: int, nodeid: int, n: int) -> None:
+        _fh, offset, size = RW_IN.unpack_from(io.rbuf, ARG)[:3]
+        if nodeid != FILE_ID:
+            return self._reply_error(io.fd, unique, errno.EISDIR)
+        size = max(0, min(size, self.size - offset, MAX_IO))
+        try:
+            if size:
+                self.backend.pread(io.wview[OUT_HEADER.size:OUT_HEADER.size + size], offset)
+        except Exception as exc:
+            return self._fail(io.fd, unique, exc)
+        OUT_HEADER.pack_into(io.wbuf, 0, OUT_HEADER.size + size, 0, unique)
+        try:
+            os.write(io.fd, io.wview[:OUT_HEADER.size + size])
+        except OSError as e:
+            if e.errno != errno.ENOENT:
+                raise
+        with self._stats_lock:
+            self.stats.reads += 1
+        return None
+
+    def _write(self, io: _Worker, unique: int, nodeid: int, n: int) -> None:
+        _fh, offset, size = RW_IN.unpack_from(io.rbuf, ARG)[:3]
+        data = ARG + RW_IN.size
+        if nodeid != FILE_ID:
+            return self._reply_error(io.fd, unique, errno.EISDIR)
+        if offset + size > self.size:
+            return self._reply_error(io.fd, unique, errno.ENOSPC)
+        try:
+            self.backend.pwrite(io.rview[data:data + size], offset)
+        except Exception as exc:
+            return self._fail(io.fd, unique, exc)
+        self._reply(io.fd, unique, WRITE_OUT.pack(size, 0))
+        with self._stats_lock:
+            self.stats.writes += 1
+        return None
+
+    def _fallocate(self, io: _Worker, unique: int, nodeid: int, n: int) -> None:
         """The loop device turns discards into PUNCH_HOLE|KEEP_SIZE and write-zeroes into
         ZERO_RANGE (or PUNCH_HOLE); both drop the pages. Plain allocation is a no-op."""
+        _fh, offset, length, mode = FALLOCATE_IN.unpack_from(io.rbuf, ARG)[:4]
+        fd = io.fd
         if nodeid != FILE_ID:
             return self._reply_error(fd, unique, errno.EISDIR)
         if offset + length > self.size:
@@ -473,6 +429,74 @@ class FuseFile:
             self.stats.trims += 1
         return self._reply(fd, unique)
 
+    def _flush(self, io: _Worker, unique: int, nodeid: int, n: int) -> None:
+        try:
+            self.backend.flush()
+        except Exception as exc:
+            return self._fail(io.fd, unique, exc)
+        return self._reply(io.fd, unique)
+
+    def _getattr(self, io: _Worker, unique: int, nodeid: int, n: int) -> None:
+        attr = self._attr(nodeid)
+        if attr is None:
+            return self._reply_error(io.fd, unique, errno.ENOENT)
+        return self._reply(io.fd, unique, ATTR_OUT.pack(VALID_S, 0, 0) + attr)
+
+    def _lookup(self, io: _Worker, unique: int, nodeid: int, n: int) -> None:
+        name = bytes(io.rview[ARG:n]).split(b"\0", 1)[0]
+        if nodeid != ROOT_ID or name != self.name:
+            return self._reply_error(io.fd, unique, errno.ENOENT)
+        return self._reply(io.fd, unique, ENTRY_OUT.pack(FILE_ID, 0, VALID_S, VALID_S, 0, 0)
+                           + self._file_attr)
+
+    def _no_reply(self, io: _Worker, unique: int, nodeid: int, n: int) -> None:
+        return None
+
+    def _ok(self, io: _Worker, unique: int, nodeid: int, n: int) -> None:
+        return self._reply(io.fd, unique)
+
+    def _open(self, io: _Worker, unique: int, nodeid: int, n: int) -> None:
+        return self._opened(io.fd, unique, nodeid, self.open_flags)
+
+    def _opendir(self, io: _Worker, unique: int, nodeid: int, n: int) -> None:
+        return self._opened(io.fd, unique, nodeid, 0)
+
+    def _opened(self, fd: int, unique: int, nodeid: int, flags: int) -> None:
+        if self._attr(nodeid) is None:
+            return self._reply_error(fd, unique, errno.ENOENT)
+        return self._reply(fd, unique, OPEN_OUT.pack(nodeid, flags, 0))
+
+    def _setattr(self, io: _Worker, unique: int, nodeid: int, n: int) -> None:
+        # the size is fixed and modes are ours; answer the attributes (truncate to the
+        # same size, utimes and chmod are harmless no-ops)
+        valid = struct.unpack_from("<I", io.rbuf, ARG)[0]
+        new_size = struct.unpack_from("<Q", io.rbuf, ARG + 16)[0]
+        if valid & (1 << 3) and new_size != self.size and nodeid == FILE_ID:  # FATTR_SIZE
+            return self._reply_error(io.fd, unique, errno.EPERM)
+        attr = self._attr(nodeid)
+        if attr is None:
+            return self._reply_error(io.fd, unique, errno.ENOENT)
+        return self._reply(io.fd, unique, ATTR_OUT.pack(VALID_S, 0, 0) + attr)
+
+    def _readdir(self, io: _Worker, unique: int, nodeid: int, n: int) -> None:
+        offset, size = RW_IN.unpack_from(io.rbuf, ARG)[1:3]
+        return self._reply(io.fd, unique, self._dirents(offset, size))
+
+    def _statfs(self, io: _Worker, unique: int, nodeid: int, n: int) -> None:
+        blocks = self.size // PAGE
+        return self._reply(io.fd, unique, KSTATFS.pack(blocks, 0, 0, 2, 0, PAGE, 255, PAGE,
+                                                       0, 0, 0, 0, 0, 0, 0))
+
+    def _lseek(self, io: _Worker, unique: int, nodeid: int, n: int) -> None:
+        _fh, offset, whence = LSEEK_IN.unpack_from(io.rbuf, ARG)[:3]
+        if whence == 3:  # SEEK_DATA: all of it is data
+            if offset >= self.size:
+                return self._reply_error(io.fd, unique, errno.ENXIO)
+            return self._reply(io.fd, unique, LSEEK_OUT.pack(offset))
+        if whence == 4:  # SEEK_HOLE
+            return self._reply(io.fd, unique, LSEEK_OUT.pack(self.size))
+        return self._reply_error(io.fd, unique, errno.EINVAL)
+
     def _attr(self, nodeid: int) -> bytes | None:
         if nodeid == FILE_ID:
             return self._file_attr
@@ -480,7 +504,7 @@ class FuseFile:
             return self._root_attr
         return None
 
-    def _readdir(self, offset: int, size: int) -> bytes:
+    def _dirents(self, offset: int, size: int) -> bytes:
         entries = [(ROOT_ID, b".", 4), (ROOT_ID, b"..", 4), (FILE_ID, self.name, 8)]
         out = b""
         for i in range(offset, len(entries)):
@@ -492,8 +516,9 @@ class FuseFile:
             out += rec
         return out
 
-    def _init(self, fd, unique, rbuf, arg) -> None:
-        major, minor, max_readahead, kflags = INIT_IN.unpack_from(rbuf, arg)
+    def _init(self, io: _Worker, unique: int, nodeid: int, n: int) -> None:
+        fd = io.fd
+        major, minor, max_readahead, kflags = INIT_IN.unpack_from(io.rbuf, ARG)
         if major != FUSE_KERNEL_VERSION:
             # an older/newer major: answer ours, the kernel then fails the mount cleanly
             return self._reply(fd, unique, INIT_OUT.pack(FUSE_KERNEL_VERSION, FUSE_MINOR,
@@ -514,19 +539,6 @@ class FuseFile:
 # -- the server's front door ---------------------------------------------------------------------
 
 DEFAULT_THREADS = 4  # >1 so that a request's store call overlaps the next one's syscalls
-
-
-def serve_server(server, mountpoint: str, threads: int = DEFAULT_THREADS,
-                 native: NativeServe | None = None) -> FuseFile:
-    """Mount ``mountpoint``/device and serve it from ``server.store`` (agentzip_blk.server):
-    the same store, latency histograms and per-thread protection as the NBD requests;
-    ``native``: the native path answers the reads it can (datapath.native)."""
-    door = FuseFile(mountpoint, server.size, server.store, threads=threads,
-                    on_thread=server.on_request_thread,
-                    observe_read=server.latency.read.observe,
-                    observe_write=server.latency.write.observe, native=native)
-    door.start()
-    return door
 
 
 def describe(door: FuseFile | None) -> dict | None:

@@ -4,10 +4,9 @@
 
 nbdkit loads this file by path (nbdkit/agentzip_plugin.py in the tree links here); the
 launcher (host.servercmd.plugin_env) puts the package on PYTHONPATH. Every request is one
-Server method; this file only maps the store's exceptions to errno values.
-
-Errors: EINVAL for ranges outside the device, ENOSPC when the store cannot take a page
-(the kernel keeps it), EIO for anything else. The store changes nothing on a failed request.
+Server method (the same ones the FUSE door calls); this file only hands nbdkit the errno of a
+failed one (errors.errno_of: EINVAL for ranges outside the device, ENOSPC when the store
+cannot take a page, EIO for anything else). The store changes nothing on a failed request.
 """
 
 import errno
@@ -22,23 +21,12 @@ protect.clear_parent_death_signal()
 protect.lock_memory()  # before the heavy imports fault their pages in; again after fork
 
 from agentzip_blk.datapath.server import Server  # noqa: E402
-from agentzip_blk.errors import OutOfRange, StoreFull  # noqa: E402
+from agentzip_blk.errors import errno_of  # noqa: E402
 
 API_VERSION = 2
 
 _keys = {}
 _server = None
-
-
-def _fail(exc):
-    if isinstance(exc, OutOfRange):
-        nbdkit.set_error(errno.EINVAL)
-    elif isinstance(exc, StoreFull):
-        nbdkit.set_error(errno.ENOSPC)
-    else:
-        nbdkit.set_error(errno.EIO)
-        nbdkit.debug(f"agentzip: {type(exc).__name__}: {exc}")
-    raise exc
 
 
 def thread_model():
@@ -110,7 +98,11 @@ def _request(method, *args):
     try:
         method(*args)
     except Exception as exc:
-        _fail(exc)
+        err = errno_of(exc)
+        nbdkit.set_error(err)
+        if err == errno.EIO:  # the others are the caller's range or a full store: expected
+            nbdkit.debug(f"agentzip: {type(exc).__name__}: {exc}")
+        raise
 
 
 def pread(h, buf, offset, flags):
@@ -122,7 +114,7 @@ def pwrite(h, buf, offset, flags):
 
 
 def flush(h, flags):
-    _server.flush()
+    _request(_server.flush)
 
 
 def trim(h, count, offset, flags):

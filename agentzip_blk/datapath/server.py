@@ -1,7 +1,10 @@
 """What runs inside nbdkit: the page store, its protection and its control socket.
 
-The nbdkit plugin hands its config keys to `Server.from_keys` and forwards every request
-here; the mapping of exceptions to errno values is the plugin's only other job.
+The nbdkit plugin hands its config keys to `Server.from_keys`. Server is the one request
+path behind both front doors: the plugin forwards every NBD request to `pread`, `pwrite`,
+`trim`, `zero` and `flush`, and the FUSE door (`datapath.fuse`, started here with the
+``fuse=`` key) calls the same methods for every request the native path hands up. Each door
+answers a failed request with `errors.errno_of`.
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ class Server:
         self.maintainer: Maintainer | None = None
         self.pressure: HostPressure | None = None
         self.freed: FreedSlots | None = None
-        self.fuse = None  # datapath.fuse.FuseFile when the fuse= key is given
+        self.fuse = None  # datapath.fuse.FuseFile (serving from this Server) with fuse=
         # who answers the FUSE door's warm reads (datapath.native); NBD requests are Python's
         self.datapath: native.Choice = (native.choose(config.device.datapath) if options.fuse
                                         else native.Choice("python", "the NBD door"))
@@ -165,7 +168,13 @@ class Server:
             self.native = native.NativePath(self.store)
             self.latency.read.sources.append(self.native.read_latency)
             self.latency.write.sources.append(self.native.write_latency)
-        self.fuse = fuse.serve_server(self, self.options.fuse, threads, self.native)
+        # The door serves from this Server, as the plugin does: the same latency
+        # histograms, per-thread protection (on_thread also marks the workers whose
+        # requests the native path serves without calling us) and errno mapping.
+        door = fuse.FuseFile(self.options.fuse, self.size, self, threads=threads,
+                             on_thread=self.on_request_thread, native=self.native)
+        door.start()
+        self.fuse = door
 
     def stop(self) -> None:
         if self.fuse is not None:
@@ -189,7 +198,7 @@ class Server:
                 self.protection.io_flusher_threads.add(ident)
             protect.set_io_flusher()
 
-    # -- requests (the plugin's callbacks), each timed into `latency` ------------------
+    # -- requests: both front doors call these (the nbdkit plugin and the FUSE door) ---
 
     def pread(self, buf, offset: int) -> None:
         self.on_request_thread()
@@ -204,16 +213,21 @@ class Server:
         self.latency.write.observe(perf_counter() - t0)
 
     def trim(self, offset: int, length: int) -> None:
+        self.on_request_thread()
         t0 = perf_counter()
         self.store.trim(offset, length)
         self.latency.trim.observe(perf_counter() - t0)
 
     def zero(self, offset: int, length: int) -> None:
+        self.on_request_thread()
         t0 = perf_counter()
         self.store.zero(offset, length)
         self.latency.zero.observe(perf_counter() - t0)
 
     def flush(self) -> None:
+        # Not timed: the store only counts it (nothing is buffered), and the latency
+        # histograms of `stats` and the exporter have no flush kind (docs/JSON.md).
+        self.on_request_thread()
         self.store.flush()
 
     # -- control verbs ---------------------------------------------------------------

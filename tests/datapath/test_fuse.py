@@ -33,6 +33,7 @@ from agentzip_blk import procfs
 from agentzip_blk.datapath import control, native
 from agentzip_blk.host import facts
 from agentzip_blk.datapath.fuse import FuseFile
+from agentzip_blk.errors import OutOfRange, StoreFull
 
 from nbdkit_server import nbdkit_available, start_server
 
@@ -63,10 +64,10 @@ class Mem:
         self.buf = bytearray(size)
         self.flushes = 0
 
-    def readinto(self, out, offset):
+    def pread(self, out, offset):
         out[:] = self.buf[offset:offset + len(out)]
 
-    def write(self, data, offset):
+    def pwrite(self, data, offset):
         self.buf[offset:offset + len(data)] = data
 
     def trim(self, offset, length):
@@ -150,6 +151,60 @@ def test_external_unmount_ends_the_workers(mnt):
     finally:
         door.stop()
     assert not mounted(mnt)
+
+
+class Failing(Mem):
+    """A backend whose reads, writes and punches fail as the store's do."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.raise_on: dict[str, BaseException] = {}
+
+    def pread(self, out, offset):
+        if "pread" in self.raise_on:
+            raise self.raise_on["pread"]
+        super().pread(out, offset)
+
+    def pwrite(self, data, offset):
+        if "pwrite" in self.raise_on:
+            raise self.raise_on["pwrite"]
+        super().pwrite(data, offset)
+
+    def trim(self, offset, length):
+        if "trim" in self.raise_on:
+            raise self.raise_on["trim"]
+        super().trim(offset, length)
+
+
+def test_a_failed_request_answers_the_errno_of_its_exception(mnt):
+    """errors.errno_of, the plugin's mapping too: StoreFull is ENOSPC, OutOfRange EINVAL,
+    anything else EIO; each failure is counted and the worker goes on serving."""
+    backend = Failing(MiB)
+    door = FuseFile(mnt, MiB, backend, threads=1)
+    door.start()
+    try:
+        fd = os.open(door.path, os.O_RDWR | os.O_DIRECT)
+        try:
+            backend.raise_on["pwrite"] = StoreFull("no room")
+            with pytest.raises(OSError) as ei:
+                os.pwritev(fd, [aligned(b"x" * PAGE)], 0)
+            assert ei.value.errno == errno.ENOSPC
+            backend.raise_on["pread"] = OutOfRange("past the end")
+            with pytest.raises(OSError) as ei:
+                os.preadv(fd, [mmap.mmap(-1, PAGE)], 0)
+            assert ei.value.errno == errno.EINVAL
+            backend.raise_on["trim"] = RuntimeError("a bug")
+            with pytest.raises(OSError) as ei:
+                fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, PAGE)
+            assert ei.value.errno == errno.EIO
+            backend.raise_on.clear()
+            assert os.pwritev(fd, [aligned(b"y" * PAGE)], 0) == PAGE
+        finally:
+            os.close(fd)
+        assert door.stats.errors == 3 and door.stats.last_error == "RuntimeError: a bug"
+        assert backend.buf[:PAGE] == b"y" * PAGE
+    finally:
+        door.stop()
 
 
 # -- the real server ------------------------------------------------------------------------------
@@ -264,6 +319,9 @@ def test_concurrent_overlapping_requests_match_a_model(tmp_path, datapath, warm)
             # writes of whole pages too: warm pages alone with lz4, frames at once without
             assert served["native_writes_served"] and served["native_writes"] > 0
         assert stats["latency"]["read"]["count"] == door["reads"]
+        # the door's punches and zero-ranges go through Server.trim/zero, timed like the rest
+        latency = stats["latency"]
+        assert latency["trim"]["count"] + latency["zero"]["count"] == door["trims"]
     finally:
         if mounted(mnt):
             subprocess.run(["fusermount3", "-u", mnt], check=False)

@@ -137,8 +137,11 @@ def test_plugin_maps_store_errors_to_errno(monkeypatch):
     spec.loader.exec_module(plugin)
     for exc, code in [(OutOfRange("x"), errno.EINVAL), (StoreFull("x"), errno.ENOSPC),
                       (RuntimeError("x"), errno.EIO)]:
+        def failing(exc=exc):
+            raise exc
+
         with pytest.raises(type(exc)):
-            plugin._fail(exc)
+            plugin._request(failing)  # every request's wrapper (errors.errno_of)
         assert calls[-1] == code
 
 
