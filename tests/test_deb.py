@@ -17,8 +17,8 @@ import re
 import shutil
 import signal
 import subprocess
-import sysconfig
 import sys
+import sysconfig
 import time
 from pathlib import Path
 

@@ -34,8 +34,18 @@ import os
 from dataclasses import dataclass
 from typing import Iterator, Protocol
 
-from .fs import (V1_UNLIMITED, CgroupError, MemoryController, detect, join_rel, parse_kv,
-                 read_file, under_root, unescape_mount, write_file)
+from .fs import (
+    V1_UNLIMITED,
+    CgroupError,
+    MemoryController,
+    detect,
+    join_rel,
+    parse_kv,
+    read_file,
+    under_root,
+    unescape_mount,
+    write_file,
+)
 
 __all__ = [
     "Writer", "DirectWriter", "Counters", "MemoryBackend", "V1Backend", "V2Backend",
@@ -134,14 +144,6 @@ class MemoryBackend:
 
     def exists(self, rel: str) -> bool:
         return os.path.isdir(self.path(rel))
-
-    def identity(self, rel: str) -> int | None:
-        """The cgroup directory's inode: a cgroup removed and re-created under the same name
-        is another cgroup, whose settings must not be "restored" from the old one's."""
-        try:
-            return os.stat(self.path(rel)).st_ino
-        except OSError:
-            return None
 
     def walk(self) -> Iterator[str]:
         """Every cgroup of the hierarchy, parents before children."""
@@ -247,13 +249,6 @@ class V2Backend(MemoryBackend):
         v = self.read(rel, "memory.high")
         return None if v == "max" else int(v)
 
-    def hard_limit(self, rel: str) -> int | None:
-        try:
-            v = self.read(rel, "memory.max")
-        except FileNotFoundError:
-            return None
-        return None if v == "max" else int(v)
-
     def set_cap(self, rel: str, value: int | None) -> None:
         self.write(rel, "memory.high", "max" if value is None else int(value))
 
@@ -343,9 +338,6 @@ class V1Backend(MemoryBackend):
 
     def cap(self, rel: str) -> int | None:
         return self._limit_value(self.read(rel, "memory.limit_in_bytes"))
-
-    def hard_limit(self, rel: str) -> int | None:
-        return self.cap(rel)
 
     def set_cap(self, rel: str, value: int | None) -> None:
         """memory.limit_in_bytes; lowering reclaims synchronously and raises LimitBusy-like

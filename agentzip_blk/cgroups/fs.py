@@ -27,7 +27,6 @@ import os
 import time
 from dataclasses import dataclass
 
-UNLIMITED = None
 SAME = object()  # set_limit(max_limit=SAME): memory.max follows memory.high
 
 V1_UNLIMITED = 9223372036854771712  # what v1 reports for "no limit" (largest page-aligned long)
@@ -305,13 +304,6 @@ class MemoryCgroup:
         n = int(v)
         return None if self.version == 1 and n >= V1_UNLIMITED else n
 
-    def set_soft_limit(self, limit: int | None) -> None:
-        """v1 memory.soft_limit_in_bytes, v2 memory.low."""
-        if self.version == 1:
-            self.write("memory.soft_limit_in_bytes", -1 if limit is None else int(limit))
-        else:
-            self.write("memory.low", 0 if limit is None else int(limit))
-
     def set_swappiness(self, n: int) -> bool:
         """v1 memory.swappiness; v2 has no such knob: returns False and does nothing."""
         if self.version != 1:
@@ -398,7 +390,3 @@ class MemoryCgroup:
 
     def __exit__(self, *exc) -> None:
         self.remove()
-
-
-def own_cgroup(root: str = "/") -> MemoryCgroup:
-    return MemoryCgroup.own(root)

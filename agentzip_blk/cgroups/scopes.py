@@ -29,7 +29,14 @@ import fnmatch
 import os
 from typing import Callable, Iterable
 
-from ..config import DEFAULT_CONFIG_PATH, ConfigError, Scope, dropin_dir, glob_problem, load_layers
+from ..config import (
+    DEFAULT_CONFIG_PATH,
+    ConfigError,
+    Scope,
+    dropin_dir,
+    glob_problem,
+    load_layers,
+)
 
 __all__ = [
     "ScopeError", "match", "scoped_cgroups", "covered", "list_scopes", "add", "remove",

@@ -16,8 +16,26 @@ import sys
 
 from .. import __version__
 from ..errors import ConfigError, DeviceError, SetupError
-from . import (config_show, demo, dicts, doctor, down, estimate, helptext, install_units, metrics,
-               node_agent, progress, scope, serve, stats, status, tune, up, webhook)
+from . import (
+    config_show,
+    demo,
+    dicts,
+    doctor,
+    down,
+    estimate,
+    helptext,
+    install_units,
+    metrics,
+    node_agent,
+    progress,
+    scope,
+    serve,
+    stats,
+    status,
+    tune,
+    up,
+    webhook,
+)
 from ._common import EXIT_NOT_ATTACHED, EXIT_RUNTIME, EXIT_SETUP, PROG, CliError, error
 
 __all__ = ["main", "build_parser", "PROG", "EXIT_NOT_ATTACHED", "CliError"]

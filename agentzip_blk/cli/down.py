@@ -10,8 +10,8 @@ import sys
 
 from .. import procfs
 from ..config import ConfigError
-from ..host import attach, facts
 from ..errors import DeviceError, SetupError
+from ..host import attach, facts
 from ..host.rundir import secure_run_dir
 from ..host.runstate import RunState
 from . import progress

@@ -5,13 +5,26 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import (PROG, CliError, config_of, control_path_of, run_dir_of,
-                      serve_until_interrupted)
+from ._common import (
+    PROG,
+    CliError,
+    config_of,
+    control_path_of,
+    run_dir_of,
+    serve_until_interrupted,
+)
 
 
 def cmd_metrics(args) -> int:
-    from ..fleet.metrics import (BuildInfo, CgroupSource, Collector, HostSource, control_stats,
-                                 make_server, parse_listen)
+    from ..fleet.metrics import (
+        BuildInfo,
+        CgroupSource,
+        Collector,
+        HostSource,
+        control_stats,
+        make_server,
+        parse_listen,
+    )
 
     # --listen, else metrics.listen of the config (agentzip-blk.yaml(5)), validated there
     text = args.listen or config_of(args).metrics.listen

@@ -51,8 +51,14 @@ def register(sub) -> None:
 
 
 def cmd_node_agent(args) -> int:
-    from ..fleet.k8s.nodeagent import (CA_PATH, TOKEN_PATH, NodeAgent, apiserver_url, http_fetch,
-                                        kubelet_url)
+    from ..fleet.k8s.nodeagent import (
+        CA_PATH,
+        TOKEN_PATH,
+        NodeAgent,
+        apiserver_url,
+        http_fetch,
+        kubelet_url,
+    )
 
     if args.insecure:
         raise CliError("node-agent --insecure is no longer accepted: it sent the service "

@@ -11,8 +11,21 @@ import sys
 
 from ..errors import SetupError
 from ..host import facts
-from ..host.servercmd import default_plugin_path, is_python_plugin, plugin_env, server_command
-from ._common import EXIT_RUNTIME, PROG, CliError, config_of, device_size_arg, fmt, run_dir_of
+from ..host.servercmd import (
+    default_plugin_path,
+    is_python_plugin,
+    plugin_env,
+    server_command,
+)
+from ._common import (
+    EXIT_RUNTIME,
+    PROG,
+    CliError,
+    config_of,
+    device_size_arg,
+    fmt,
+    run_dir_of,
+)
 
 
 def register(sub) -> None:

@@ -36,8 +36,8 @@ def _settings(args, config):
 def _scopes_reader(config_path: str | None, config, log):
     """Scopes re-read from the file every step, so `scope` edits apply at once; a broken
     edit keeps the last good list (and says so once)."""
-    from ..config import ConfigError
     from ..cgroups.scopes import list_scopes
+    from ..config import ConfigError
 
     last = {"scopes": list(config.scopes), "error": None}
 
@@ -63,11 +63,11 @@ def cmd_tune(args) -> int:
     from ..cgroups.tuner.daemon import TunerBusy, acquire_instance, release_instance
     from ..cgroups.tuner.loop import Tuner
     from ..config import DEFAULT_CONFIG_PATH
+    from ..config.quantities import format_bytes
     from ..datapath import control
     from ..host import facts
     from ..host.heartbeat import write as write_heartbeat
     from ..host.runstate import RunState
-    from ..config.quantities import format_bytes
 
     root = args.cgroup_root or "/"
     if root == "/":

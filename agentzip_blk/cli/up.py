@@ -11,7 +11,15 @@ from ..cgroups.tuner.daemon import running_pid, start_daemon
 from ..config import ConfigError, load_file
 from ..host import attach, facts, health
 from ..host.runstate import RunState
-from ._common import EXIT_RUNTIME, PROG, CliError, config_of, device_size_arg, fmt, run_dir_of
+from ._common import (
+    EXIT_RUNTIME,
+    PROG,
+    CliError,
+    config_of,
+    device_size_arg,
+    fmt,
+    run_dir_of,
+)
 
 
 def register(sub) -> None:

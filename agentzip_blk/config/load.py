@@ -24,16 +24,42 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigError
-from .dropins import (NON_ROOT_KEYS, Sources, dropin_dir, dropin_files, limited_by, merge,
-                      normalized_key)
+from .dropins import (
+    NON_ROOT_KEYS,
+    Sources,
+    dropin_dir,
+    dropin_files,
+    limited_by,
+    merge,
+    normalized_key,
+)
 from .quantities import decimal_hint, format_bytes, parse_duration, parse_size
-from .schema import (ALGORITHMS, DATAPATHS, SWAP_MAP_MODES, DEDUP_MODES, DEFAULT_CONFIG_PATH, DICTIONARY_MODES, FRONTENDS,
-                     KEY_ALIASES,
-                     LEVEL_RANGES,
-                     MAX_DEVICE_SIZE, MAX_FRAME_PAGES, MIN_SIZE, SUPPORTED_PAGE_SIZE, SWAP_PRIORITY_RANGE,
-                     RETURNED_TO_DISK, WARM_ALGORITHMS,
-                     CompressionConfig, Config, DeviceConfig, MetricsConfig, PolicyConfig,
-                     PoolConfig, Scope, default_scopes)
+from .schema import (
+    ALGORITHMS,
+    DATAPATHS,
+    DEDUP_MODES,
+    DEFAULT_CONFIG_PATH,
+    DICTIONARY_MODES,
+    FRONTENDS,
+    KEY_ALIASES,
+    LEVEL_RANGES,
+    MAX_DEVICE_SIZE,
+    MAX_FRAME_PAGES,
+    MIN_SIZE,
+    RETURNED_TO_DISK,
+    SUPPORTED_PAGE_SIZE,
+    SWAP_MAP_MODES,
+    SWAP_PRIORITY_RANGE,
+    WARM_ALGORITHMS,
+    CompressionConfig,
+    Config,
+    DeviceConfig,
+    MetricsConfig,
+    PolicyConfig,
+    PoolConfig,
+    Scope,
+    default_scopes,
+)
 
 _DICTIONARY_NAME = re.compile(r"[a-z0-9_-]+")
 

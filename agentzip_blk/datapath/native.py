@@ -14,8 +14,7 @@ import time
 from dataclasses import dataclass
 
 from ..codec import codecs
-from ..store import PageStore
-from ..store import integrity
+from ..store import PageStore, integrity
 from ..store.dedup import MAX_BLOBS, PageHasher
 from .latency import BUCKETS
 

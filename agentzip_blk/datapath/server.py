@@ -14,9 +14,9 @@ import os
 import sys
 import threading
 import time
-from time import perf_counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from time import perf_counter
 
 from .. import __version__, procfs
 from ..codec import dictionaries
@@ -25,8 +25,8 @@ from ..config.quantities import parse_size
 from ..store import PageStore
 from ..store.tiering import Maintainer
 from . import latency, native, protect
-from .freed import FreedSlots
 from .control import ControlServer
+from .freed import FreedSlots
 from .guard import SignalGuard
 from .pressure import HostPressure
 

@@ -7,8 +7,8 @@ import os
 import subprocess
 
 from .. import procfs
-from ..host import facts
 from ..config.quantities import format_bytes
+from ..host import facts
 
 MiB = 1 << 20
 

@@ -34,8 +34,17 @@ import time
 
 from ..cgroups.fs import CgroupError, LimitBusy, MemoryCgroup
 from .backends import SwapBackend, make_backend
-from .common import (MiB, DemoError, fmt, meminfo, pcp_free_bytes, proc_swaps, rss_of, vmstat,
-                     zswap_enabled)
+from .common import (
+    DemoError,
+    MiB,
+    fmt,
+    meminfo,
+    pcp_free_bytes,
+    proc_swaps,
+    rss_of,
+    vmstat,
+    zswap_enabled,
+)
 from .workload import DEFAULT_MB, DEFAULT_SEED, WORKLOAD, Workload
 
 # ---------------------------------------------------------------------------------------

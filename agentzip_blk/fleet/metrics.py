@@ -56,8 +56,13 @@ from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
 from typing import Callable, Iterator
 
-from prometheus_client.core import (CollectorRegistry, CounterMetricFamily, GaugeMetricFamily,
-                                    HistogramMetricFamily, Metric)
+from prometheus_client.core import (
+    CollectorRegistry,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import MetricsHandler
 
 log = logging.getLogger(__name__)

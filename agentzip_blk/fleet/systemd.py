@@ -19,7 +19,6 @@ from pathlib import Path
 
 PLACEHOLDER_BIN = "/usr/local/bin/agentzip-blk"
 UNIT_DIR = "etc/systemd/system"  # the administrator's units (install-units)
-PACKAGE_UNIT_DIR = "usr/lib/systemd/system"  # a package's units (tools/build-deb.sh)
 SOURCE = Path(__file__).resolve().parent / "units"
 
 

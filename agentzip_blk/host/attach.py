@@ -21,15 +21,29 @@ from ..config.quantities import format_bytes
 from ..datapath import control
 from ..errors import DeviceError, SetupError
 from . import facts
-from .chain import (check_up_preconditions, foreign_device, liveness, resolve_frontend,
-                    stray_loops, sweep, teardown, up_steps, write_effective_config)
+from .chain import (
+    check_up_preconditions,
+    foreign_device,
+    liveness,
+    resolve_frontend,
+    stray_loops,
+    sweep,
+    teardown,
+    up_steps,
+    write_effective_config,
+)
 from .health import health
 from .procs import STOPPED_STATES, ours_alive, wait_gone
-from .runstate import (DEFAULT_PRIORITY, STATE_FILE, RunState, config_device, locked,
-                       resolve_run_dir)
+from .runstate import (
+    DEFAULT_PRIORITY,
+    STATE_FILE,
+    RunState,
+    config_device,
+    locked,
+    resolve_run_dir,
+)
 from .servercmd import default_plugin_path, is_python_plugin
 from .tierfile import TierFile, remove_leftover
-
 
 # swapoff needs the swapped bytes back in RAM; keep this much on top of them
 SWAPOFF_MARGIN_MIN = 128 * 1024 * 1024

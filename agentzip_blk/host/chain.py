@@ -21,12 +21,24 @@ from .. import procfs
 from ..datapath import control
 from ..errors import DeviceError, SetupError
 from . import facts, procs, swapunit
-from .procs import STOPPED_STATES, ours_alive, run_tool, spawn, stop_process, wait_gone, wait_ready
+from .procs import (
+    STOPPED_STATES,
+    ours_alive,
+    run_tool,
+    spawn,
+    stop_process,
+    wait_gone,
+    wait_ready,
+)
 from .rundir import open_private
 from .runstate import STATE_FILE, TOOLS, RunState
-from .servercmd import (SERVER_PATH, default_plugin_path, is_python_plugin, plugin_env,
-                        server_command)
-
+from .servercmd import (
+    SERVER_PATH,
+    default_plugin_path,
+    is_python_plugin,
+    plugin_env,
+    server_command,
+)
 
 SWAP_LABEL = "agentzip"
 

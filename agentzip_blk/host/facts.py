@@ -13,7 +13,6 @@ import subprocess
 
 from ..errors import SetupError
 
-
 # Directories searched for tools on top of $PATH: swap/loop tools live in
 # /sbin and /usr/sbin, which a non-login root shell may not have on its PATH.
 _SBIN = ("/usr/local/sbin", "/usr/sbin", "/sbin")

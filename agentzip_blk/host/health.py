@@ -13,7 +13,6 @@ from .chain import is_mounted, loop_dio, loop_is_ours, loop_rotational
 from .procs import STOPPED_STATES, ours_alive
 from .runstate import RunState, resolve_run_dir
 
-
 # `status`, `doctor` and the exporter wait this long for the chain to answer
 HEALTH_TIMEOUT = 2.0
 

@@ -13,7 +13,6 @@ from .. import procfs
 from ..errors import DeviceError, SetupError
 from .rundir import open_private
 
-
 # /proc/PID/stat states of a process that runs no code until SIGCONT
 STOPPED_STATES = ("T", "t")
 

@@ -23,7 +23,6 @@ from .. import __version__
 from ..errors import DeviceError, SetupError
 from .rundir import open_private, secure_run_dir
 
-
 DEFAULT_RUN_DIR = "/run/agentzip"
 
 
@@ -176,10 +175,6 @@ class RunState:
 
 def _is_dev(path, kind: str) -> bool:
     return isinstance(path, str) and re.fullmatch(rf"/dev/{kind}[0-9]+", path) is not None
-
-
-def load_state(run_dir: str) -> RunState | None:
-    return RunState.load(run_dir)
 
 
 @contextlib.contextmanager

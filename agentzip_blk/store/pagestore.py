@@ -38,14 +38,14 @@ from . import accounting
 from .blobs import BlobTable
 from .cache import HotCache
 from .dedup import SUB_BITS, DedupIndex, HashFn
-from .integrity import Corrupt
 from .disk import DiskError, DiskTier
 from .doorbell import Doorbell
+from .integrity import Corrupt
 from .objects import Counters, Deferred, Moved, Objects
 from .placement import Placer, Prepared
 from .pool import Pool
-from .slots import BLOB, CHUNK_SLOTS, EMPTY, SAME, TICK_MASK, SlotTable
 from .recompress import Recompressor
+from .slots import BLOB, CHUNK_SLOTS, EMPTY, SAME, TICK_MASK, SlotTable
 from .tiering import DEMOTE_CHUNK, REWRITE_CHUNK, Tiering, Tiers
 
 # threading.Lock, or the native path's StoreLock (datapath.nativeloop), which behaves the same

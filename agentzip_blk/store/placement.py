@@ -22,9 +22,9 @@ import numpy as np
 from ..codec.codecs import Codec, CodecSet, pays
 from ..codec.dictionaries import StoreDictionaries
 from ..codec.dictionaries.selector import Choice
+from .blobs import WARM
 from .dedup import MAX_CANDIDATES, HashFn, PageHasher, index_key, unpack
 from .objects import Counters, Objects
-from .blobs import WARM
 from .slots import BLOB, SAME
 
 _NO_HASH = (0, 0)  # the hash of every page with dedup off: never looked up

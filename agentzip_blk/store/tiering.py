@@ -25,10 +25,10 @@ import numpy as np
 
 from ..errors import CodecError, StoreFull
 from .blobs import DISK, POOL, TAIL_RELEASE_ROWS, WARM
-from .slots import BLOB
 from .disk import DiskError, DiskFull
 from .integrity import Corrupt
 from .pool import PoolFull
+from .slots import BLOB
 
 if TYPE_CHECKING:
     from .pagestore import PageStore

@@ -11,7 +11,14 @@ import pytest
 
 from agentzip_blk.cgroups import cgstats
 from agentzip_blk.cgroups.backends import open_backend
-from agentzip_blk.cgroups.cgstats import CgroupSwap, SwapEntries, account, collect, our_swap_type, swap_entries
+from agentzip_blk.cgroups.cgstats import (
+    CgroupSwap,
+    SwapEntries,
+    account,
+    collect,
+    our_swap_type,
+    swap_entries,
+)
 from cgfake import fake_v2, w
 
 PAGE = 4096

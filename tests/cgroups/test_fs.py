@@ -11,7 +11,6 @@ import pytest
 from agentzip_blk.cgroups.fs import CgroupError, LimitBusy, MemoryCgroup, detect
 from cgfake import real_v1
 
-
 # ---------------------------------------------------------------------------------------
 # fake trees
 

@@ -312,6 +312,7 @@ def test_tune_heartbeat_says_ready_only_with_a_device(tmp_path):
     --without-device."""
     import subprocess
     import sys
+
     from agentzip_blk.host import heartbeat
     root, _ = fake_v2(tmp_path / "fs", {SANDBOX: {"cgroup.procs": "100\n"}})
     w(str(tmp_path / "config.yaml"), "scopes: []\n")

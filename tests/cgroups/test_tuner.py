@@ -10,7 +10,11 @@ import pytest
 
 from agentzip_blk.cgroups.backends import Counters, open_backend
 from agentzip_blk.cgroups.ledger import Ledger
-from agentzip_blk.cgroups.tuner.controller import Controller, PressureMeter, TunerSettings
+from agentzip_blk.cgroups.tuner.controller import (
+    Controller,
+    PressureMeter,
+    TunerSettings,
+)
 from agentzip_blk.cgroups.tuner.loop import Tuner
 from agentzip_blk.config import Scope, parse_config
 from cgfake import fake_v2, r, w

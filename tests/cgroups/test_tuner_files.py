@@ -14,7 +14,6 @@ import pytest
 from agentzip_blk.cgroups.tuner import daemon
 from agentzip_blk.host import procs
 from cgfake import fake_v2, w
-
 from cli.clirun import one_error_line, run
 
 SANDBOX = "/agents/agent-sandbox-1.slice"

@@ -7,8 +7,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import random
+import shutil
 import subprocess
 import sys
 

@@ -13,7 +13,8 @@ import pytest
 
 from agentzip_blk.cgroups import procmem
 from agentzip_blk.codec.codecs import ZstdCodec, ZstdDictCodec
-from agentzip_blk.codec.dictionaries import files as dicts, known_names
+from agentzip_blk.codec.dictionaries import files as dicts
+from agentzip_blk.codec.dictionaries import known_names
 from agentzip_blk.codec.dictionaries.registry import DictionaryRegistry
 from agentzip_blk.codec.dictionaries.selector import Selector
 from agentzip_blk.codec.dictionaries.trainer import HostTrainer, train_content

@@ -5,7 +5,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agentzip_blk.config import load as config_mod
 from agentzip_blk.config import (
     MAX_DEVICE_SIZE,
     CompressionConfig,
@@ -18,6 +17,7 @@ from agentzip_blk.config import (
     load_config,
     parse_config,
 )
+from agentzip_blk.config import load as config_mod
 
 GiB = 1 << 30
 

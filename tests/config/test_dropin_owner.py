@@ -12,7 +12,6 @@ import pytest
 import yaml
 
 from agentzip_blk.config import ConfigError, load_layers
-
 from cli.clirun import one_error_line, run
 
 AGENT = 65534  # the node agent's uid in this test (nobody)

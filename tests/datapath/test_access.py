@@ -21,7 +21,6 @@ import pytest
 
 from agentzip_blk.datapath import control
 from agentzip_blk.host.servercmd import default_plugin_path, nbdkit_command, plugin_env
-
 from nbdkit_server import nbdkit_available
 
 NOBODY = 65534  # uid nobody, gid nogroup

@@ -10,7 +10,6 @@ import subprocess
 
 from agentzip_blk.datapath import control
 from agentzip_blk.datapath.server import GROUP_STATS_MIN_AGE
-
 from datapath.test_access import NOBODY, ask, pytestmark, serve  # noqa: F401 (the fixture)
 
 MEMBER = {"uid": NOBODY, "gid": NOBODY}

@@ -31,10 +31,9 @@ import pytest
 
 from agentzip_blk import procfs
 from agentzip_blk.datapath import control, native
-from agentzip_blk.host import facts
 from agentzip_blk.datapath.fuse import FuseFile
 from agentzip_blk.errors import OutOfRange, StoreFull
-
+from agentzip_blk.host import facts
 from nbdkit_server import nbdkit_available, start_server
 
 PAGE = 4096
@@ -413,8 +412,8 @@ def _cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("datapath,warm", [("auto", "none"), ("native", "lz4")])
 def test_cli_up_swap_down_in_separate_processes_with_fuse(tmp_path, datapath, warm):
     """The defaults, and the native request path serving warm pages: every byte back."""
-    from agentzip_blk.host import attach, runstate
     from agentzip_blk.cgroups.fs import MemoryCgroup
+    from agentzip_blk.host import attach, runstate
 
     if datapath == "native" and not native.available():
         pytest.skip(native.MISSING)

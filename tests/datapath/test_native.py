@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import ctypes
-import os
 import random
 import socket
 import struct
@@ -26,9 +25,16 @@ from hypothesis import strategies as st
 
 from agentzip_blk.datapath import native
 from agentzip_blk.store.tiering import Tiering
-
-from nativeharness import (IN_HEADER, MAX_REPLY, OUT_HEADER, READ, NativeRequests, PerThread,
-                           native_store, read_request)
+from nativeharness import (
+    IN_HEADER,
+    MAX_REPLY,
+    OUT_HEADER,
+    READ,
+    NativeRequests,
+    PerThread,
+    native_store,
+    read_request,
+)
 
 PAGE = 4096
 

@@ -22,7 +22,6 @@ from agentzip_blk.datapath import native
 from agentzip_blk.store import PageStore
 from agentzip_blk.store.dedup import PageHasher
 from agentzip_blk.store.tiering import Tiering
-
 from nativeharness import NativeRequests, native_store
 
 PAGE = 4096

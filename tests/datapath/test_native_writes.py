@@ -24,9 +24,16 @@ from agentzip_blk.datapath import native
 from agentzip_blk.store import PageStore
 from agentzip_blk.store.dedup import PageHasher
 from agentzip_blk.store.tiering import Tiering
-
-from nativeharness import (IN_HEADER, MAX_REPLY, OUT_HEADER, WRITE, NativeRequests, PerThread,
-                           native_store, write_request)
+from nativeharness import (
+    IN_HEADER,
+    MAX_REPLY,
+    OUT_HEADER,
+    WRITE,
+    NativeRequests,
+    PerThread,
+    native_store,
+    write_request,
+)
 
 PAGE = 4096
 

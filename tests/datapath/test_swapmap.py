@@ -28,9 +28,17 @@ import pytest
 from agentzip_blk import procfs
 from agentzip_blk.cgroups.fs import MemoryCgroup
 from agentzip_blk.datapath import swapmap
-from agentzip_blk.datapath.swapmap import (COUNT_CONTINUED, COUNT_MASK, FREE, HAS_CACHE,
-                                           SWAP_MAP_BAD, SWAP_MAP_SHMEM, SwapMap,
-                                           Unsupported, classify)
+from agentzip_blk.datapath.swapmap import (
+    COUNT_CONTINUED,
+    COUNT_MASK,
+    FREE,
+    HAS_CACHE,
+    SWAP_MAP_BAD,
+    SWAP_MAP_SHMEM,
+    SwapMap,
+    Unsupported,
+    classify,
+)
 
 PAGE = 4096
 MiB = 1 << 20

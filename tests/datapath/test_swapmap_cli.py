@@ -24,7 +24,6 @@ import pytest
 from agentzip_blk import procfs
 from agentzip_blk.datapath import swapmap
 from agentzip_blk.host import facts
-
 from nbdkit_server import nbdkit_available
 
 MiB = 1 << 20

@@ -7,6 +7,7 @@ import os
 import shutil
 
 import pytest
+
 from agentzip_blk import procfs
 from agentzip_blk.config import Config
 from agentzip_blk.demo import driver as demo

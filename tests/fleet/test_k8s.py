@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 
 from agentzip_blk.cgroups import scopes
-from agentzip_blk.fleet.k8s import annotations as ann, nodeagent, podcgroup, webhook
+from agentzip_blk.fleet.k8s import annotations as ann
+from agentzip_blk.fleet.k8s import nodeagent, podcgroup, webhook
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from agentzip_blk.fleet.k8s import annotations as ann, nodeagent, podcgroup, webhook
+from agentzip_blk.fleet.k8s import annotations as ann
+from agentzip_blk.fleet.k8s import nodeagent, podcgroup, webhook
 from fleet.test_k8s import PodListServer
 
 REPO = Path(__file__).resolve().parents[2]

@@ -29,8 +29,8 @@ from agentzip_blk.datapath import control
 from agentzip_blk.demo.workload import Workload
 from agentzip_blk.fleet import metrics
 from agentzip_blk.host import attach
-from fleet.test_metrics import exporter, scrape, stats_json
 from cgroups.test_scoped_swap import _skip_reason
+from fleet.test_metrics import exporter, scrape, stats_json
 
 pytestmark = pytest.mark.swap
 MiB = 1 << 20

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from agentzip_blk import procfs
 from agentzip_blk.cgroups.fs import LimitBusy, MemoryCgroup
 from agentzip_blk.demo.workload import Workload

@@ -26,8 +26,8 @@ import pytest
 from agentzip_blk import cli, errors, procfs
 from agentzip_blk.host import attach, facts, health, procs, runstate
 from agentzip_blk.host.chain import required_tools, resolve_frontend, teardown
-from agentzip_blk.procfs import loop_backing
 from agentzip_blk.host.servercmd import default_plugin_path, nbdkit_command, plugin_env
+from agentzip_blk.procfs import loop_backing
 
 SIZE = 64 << 20
 FUSE_TOOLS = ["nbdkit", "nbdfuse", "fusermount3", "losetup", "mkswap", "swapon", "swapoff"]

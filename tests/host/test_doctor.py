@@ -6,7 +6,7 @@ import json
 
 from agentzip_blk import cli
 from agentzip_blk.host import doctor
-from agentzip_blk.host.doctor import Facts, FAIL, PASS, WARN, diagnose
+from agentzip_blk.host.doctor import FAIL, PASS, WARN, Facts, diagnose
 
 OURS = {"filename": "/dev/loop0", "type": "partition", "size": 1 << 30, "used": 0, "priority": 100}
 

@@ -291,8 +291,8 @@ def test_failed_writeback_releases_the_request(tmp_path, monkeypatch):
     request fails and its staged blobs are released. They used to stay referenced with no
     slot pointing at them (leaked space, and dedup hits on them made later writes of the
     same pages skip the disk)."""
-    from agentzip_blk.store.disk import DiskError
     from agentzip_blk.store import PageStore, Tiering
+    from agentzip_blk.store.disk import DiskError
 
     store = PageStore(16 << 20, tiering=Tiering(max_size=1 << 20,
                                                 swap_out_path=str(tmp_path / "tier")))

@@ -15,11 +15,12 @@ import time
 
 import pytest
 
+from agentzip_blk import errors, procfs
+from agentzip_blk.host import attach, chain, procs, runstate
+
 from . import support
 from .conftest import skip_reason
 from .support import PAGE, make_pages
-from agentzip_blk import errors, procfs
-from agentzip_blk.host import attach, chain, procs, runstate
 
 pytestmark = pytest.mark.skipif(skip_reason("nbdkit") is not None,
                                 reason=str(skip_reason("nbdkit")))

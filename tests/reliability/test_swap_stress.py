@@ -15,6 +15,7 @@ import tempfile
 import time
 
 import pytest
+
 from agentzip_blk import procfs
 from agentzip_blk.cgroups.fs import MemoryCgroup
 from agentzip_blk.config import parse_config

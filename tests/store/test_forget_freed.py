@@ -17,7 +17,6 @@ import pytest
 from agentzip_blk.datapath import native
 from agentzip_blk.store import PageStore
 from agentzip_blk.store.slots import CHUNK_SLOTS
-
 from nativeharness import NativeRequests, native_store
 
 PAGE = 4096

@@ -8,11 +8,9 @@ import random
 
 import pytest
 
-from agentzip_blk.store.integrity import Corrupt
-
-from agentzip_blk.errors import CodecError
 from agentzip_blk.store import PageStore, Tiering
 from agentzip_blk.store.blobs import DISK
+from agentzip_blk.store.integrity import Corrupt
 
 PAGE = 4096
 DEVICE = 256 * PAGE

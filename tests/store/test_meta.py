@@ -15,7 +15,6 @@ from agentzip_blk.config import MAX_DEVICE_SIZE
 from agentzip_blk.store import PageStore, slots
 from agentzip_blk.store.dedup import MAX_BLOBS, SUB_BITS, DedupIndex
 from agentzip_blk.store.tiering import Tiers
-
 from cli.clirun import one_error_line, run
 
 PAGE = 4096

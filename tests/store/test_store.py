@@ -250,8 +250,8 @@ def test_the_slot_table_costs_only_the_chunks_in_use():
     """A 4 GiB device has 8 MiB of slot table; pages written at a few places cost a few
     table pages, and neither a whole-device discard (what swapon and a sandbox's exit send)
     nor stats may fault in the rest."""
-    from agentzip_blk.store.tables import array_resident_bytes
     from agentzip_blk.store.slots import CHUNK_SLOTS
+    from agentzip_blk.store.tables import array_resident_bytes
 
     size = 4 << 30
     store = PageStore(size, max_size=64 << 20)

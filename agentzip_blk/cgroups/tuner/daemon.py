@@ -9,8 +9,8 @@ import time
 import agentzip_blk
 
 from ... import procfs
-from ...host.procs import pid_alive
 from ...errors import SetupError
+from ...host.procs import pid_alive
 from ...host.rundir import open_private
 
 TUNER_PID = "tuner.pid"

@@ -37,7 +37,6 @@ from collections.abc import Callable, Iterable
 
 import pagewalk
 
-
 RECENT = 0.2  # the most recent fifth of a workload's items...
 RECENT_SHARE = 0.8  # ...gets four picks in five; the rest go to any item
 

@@ -40,11 +40,6 @@ class PodSettings:
                           sort_keys=True)
 
 
-def has_any(annotations: dict | None) -> bool:
-    return isinstance(annotations, dict) and any(
-        isinstance(k, str) and k.startswith(PREFIX) for k in annotations)
-
-
 def parse(annotations: dict | None) -> PodSettings | None:
     """None when the Pod carries no agentzip.io/ annotation; else its settings.
     Raises AnnotationError naming every bad annotation and value (also for a metadata.annotations

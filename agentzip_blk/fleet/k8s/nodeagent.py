@@ -47,8 +47,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ...host.heartbeat import write as write_heartbeat
-from ...host.kubelet import (DEFAULT_KUBELET_CONFIG, kubelet_command_line, read_kubelet_swap,
-                             verdict)
+from ...host.kubelet import (
+    DEFAULT_KUBELET_CONFIG,
+    kubelet_command_line,
+    read_kubelet_swap,
+    verdict,
+)
 from . import annotations as ann
 from .podcgroup import pod_cgroup, qos_class, scope_glob, valid_uid
 

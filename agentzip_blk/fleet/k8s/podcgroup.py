@@ -29,7 +29,6 @@ import re
 UID_RE = re.compile(r"[0-9a-f-]{8,64}")
 
 QOS_CLASSES = ("Guaranteed", "Burstable", "BestEffort")
-DRIVERS = ("systemd", "cgroupfs")
 
 
 def qos_class(pod: dict) -> str:

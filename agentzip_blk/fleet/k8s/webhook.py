@@ -164,7 +164,6 @@ class ReloadingContext:
         self._lock = threading.Lock()
         self._sig = (_signature(certfile), _signature(keyfile))
         self._ctx = tls_context(certfile, keyfile)  # the first load must work: fail at start
-        self.reloads = 0
 
     def current(self) -> ssl.SSLContext:
         try:
@@ -183,7 +182,6 @@ class ReloadingContext:
                                 "old one", e)
                     return self._ctx
                 self._sig = sig
-                self.reloads += 1
                 log.info("TLS certificate reloaded from %s", self.certfile)
         return self._ctx
 
