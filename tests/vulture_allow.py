@@ -21,8 +21,8 @@ GETXATTR, LISTXATTR
 # state file (runstate.RunState, saved as JSON)
 _.zeroes, _.bytes_read, _.bytes_written, _.enospc, _.dedup_hits, _.hash_collisions
 _.demotions, _.returned_demotions, _.direct_to_disk, _.disk_full, _.disk_errors
-_.compactions, _.pages_moved, _.hot_hits, _.units_written, _.unit_fallbacks, _.unit_hits
-_.units_rewritten, _.kernel_freed_pages
+_.compactions, _.pages_moved, _.hot_hits, _.frames_written, _.frame_fallbacks, _.frame_hits
+_.frames_rewritten, _.kernel_freed_pages
 _.kernel_swap
 _.mkswap_done
 

@@ -1,7 +1,13 @@
-"""The attach chain, step by step: nbdkit (the server) -> kernel nbd, or nbdfuse + a loop
-device with direct I/O -> mkswap + swapon; and its teardown in the safe order (swapoff,
-``losetup -d`` / ``nbd-client -d``, ``fusermount3 -u``, stop the server). Nothing here stops
-the server while /proc/swaps lists our device.
+"""The attach chain, step by step: nbdkit (the server) -> a block device -> mkswap + swapon;
+and its teardown in the safe order (swapoff, ``losetup -d`` / ``nbd-client -d``,
+``fusermount3 -u``, stop the server). Nothing here stops the server while /proc/swaps lists
+our device.
+
+The block device is one of three front ends (``device.frontend``, resolve_frontend):
+kernel nbd (nbd-client on nbdkit's socket); the FUSE front door, where the server mounts a
+FUSE file and serves it itself (``fuse=`` plugin key, agentzip_blk.datapath.fuse) under a
+loop device with direct I/O; or nbdfuse, the old chain kept for comparison, a FUSE file that
+nbdfuse serves over NBD from nbdkit, under the same loop device.
 
 The server locks its own memory (the plugin calls mlockall(MCL_ONFAULT); nbdkit's ``--swap``
 would fault in its whole .bss and every thread stack, see servercmd); nbdfuse cannot, so a

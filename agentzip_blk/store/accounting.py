@@ -182,16 +182,22 @@ def stats(store: PageStore, lock) -> dict:
 
 
 def _counters(store: PageStore) -> dict:
-    """The request counters, with the requests another request path served from the same
-    tables (the native path: PageStore.outside)."""
-    counters = asdict(store.counters)
+    """The request counters under their stats names, with the requests another request path
+    served from the same tables (the native path: PageStore.outside)."""
+    counters = {STATS_NAMES.get(k, k): v for k, v in asdict(store.counters).items()}
     outside = store.outside()
     for key in OUTSIDE_COUNTERS:
         counters[key] += outside.get(key, 0)
     return counters
 
 
-# what a request path outside Python counts of the store's request counters (objects.Counters)
+# objects.Counters fields whose stats and metrics name (docs/JSON.md) is another: frames
+# were "units" when the interface was made, and it keeps that name
+STATS_NAMES = {"frames_written": "units_written", "frame_fallbacks": "unit_fallbacks",
+               "frame_hits": "unit_hits", "frames_rewritten": "units_rewritten"}
+
+# what a request path outside Python counts of the store's request counters, by stats name
+# (the native path reports them so)
 OUTSIDE_COUNTERS = ("reads", "bytes_read", "writes", "bytes_written", "dedup_hits",
                     "dedup_compares", "hash_collisions", "pingpong", "units_written",
                     "unit_fallbacks")

@@ -53,12 +53,12 @@ class Counters:
     compactions: int = 0
     pages_moved: int = 0  # cells moved by compaction
     hot_hits: int = 0
-    # Multi-page frames. The names say "unit", the frame's old name: they are the stats
-    # and metrics interface (docs/JSON.md), which does not change with the rename.
-    units_written: int = 0  # multi-page blobs stored
-    unit_fallbacks: int = 0  # groups that compressed too poorly together: stored page by page
-    unit_hits: int = 0  # page reads served from the decompressed-frame cache
-    units_rewritten: int = 0  # sparse frames recompressed without their dead pages
+    # Multi-page frames. The stats and metrics interface (docs/JSON.md) names them by the
+    # frame's old name, "unit": accounting.STATS_NAMES maps these four to it.
+    frames_written: int = 0  # multi-page blobs stored
+    frame_fallbacks: int = 0  # groups that compressed too poorly together: stored page by page
+    frame_hits: int = 0  # page reads served from the decompressed-frame cache
+    frames_rewritten: int = 0  # sparse frames recompressed without their dead pages
     decoded_bytes: int = 0  # bytes decompressed (a frame's whole size per miss): read amplification
     # frames compressed under the store lock: sparse-frame rewrites, and the frames of
     # writes that placement.Placer.prepare could not compress early (part already stored)
@@ -275,7 +275,7 @@ class Objects:
         if self.blobs.pages[blob] > 1:
             data = self.frames.get(blob, gen)
             if data is not None:
-                self.counters.unit_hits += 1
+                self.counters.frame_hits += 1
                 return data
         return None
 
@@ -320,7 +320,7 @@ class Objects:
         if pages > 1:
             other = self.decoding.get(blob)
             if other is not None and other.gen == gen:
-                self.counters.unit_hits += 1
+                self.counters.frame_hits += 1
                 return Deferred(blob, gen, 0, 0, b"", size, False, wait_for=other)
         length = int(blobs.length[blob])
         if blobs.tier[blob] == POOL:

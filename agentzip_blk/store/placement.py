@@ -270,9 +270,9 @@ class Placer:
                 for sub, n in enumerate(group):
                     placed[n] = (blob, sub)
                     staged.append(blob)
-                self.counters.units_written += 1
+                self.counters.frames_written += 1
                 return
-            self.counters.unit_fallbacks += 1
+            self.counters.frame_fallbacks += 1
         for n in group:
             choice = chooser.get() if chooser is not None else None
             sample = choice.sample_out if choice is not None and n == choice.sample else None

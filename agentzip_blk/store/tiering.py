@@ -304,7 +304,7 @@ class Tiers:
                     done += self._switch_sparse(p, *new)
                 except (StoreFull, DiskError, CodecError):
                     break  # no room: the frames stay as they are
-            self.counters.units_rewritten += done
+            self.counters.frames_rewritten += done
         return done
 
     def _pick_sparse(self, limit: int) -> list[_Sparse]:
@@ -560,6 +560,7 @@ class Tiers:
         if self.defrag and self.needs_compaction():
             compacted = self.compact()
         self.punch_freed()
+        # the control socket's `reclaim` answer: frames keep the interface's name, "units"
         return {"demoted": demoted, "compacted": compacted, "units_rewritten": rewritten,
                 "recompressed": recompressed}
 
