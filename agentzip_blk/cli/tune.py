@@ -1,5 +1,5 @@
 """``agentzip-blk tune``: the tuner in the foreground (``up --tune`` starts it in the
-background: cli.up).
+background: cli.up). The options become TunerSettings; cgroups.tuner.daemon.run does the rest.
 
 ``tune`` logs one line per decision on stdout and, when it stops (Ctrl-C, SIGTERM), puts back
 every cgroup setting it changed unless ``--keep``; ``down`` stops a background tuner and
@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
-import threading
 
 from ._common import PROG, CliError, config_of, run_dir_of, size_arg
 
@@ -33,41 +31,10 @@ def _settings(args, config):
     return s
 
 
-def _scopes_reader(config_path: str | None, config, log):
-    """Scopes re-read from the file every step, so `scope` edits apply at once; a broken
-    edit keeps the last good list (and says so once)."""
-    from ..cgroups.scopes import list_scopes
-    from ..config import ConfigError
-
-    last = {"scopes": list(config.scopes), "error": None}
-
-    def read():
-        if config_path is None or not os.path.exists(config_path):
-            return last["scopes"]
-        try:
-            last["scopes"] = list_scopes(config_path)
-            last["error"] = None
-        except ConfigError as e:
-            if str(e) != last["error"]:
-                log(f"tune: config unreadable, keeping the previous scopes: {e}")
-            last["error"] = str(e)
-        return last["scopes"]
-
-    return read
-
-
 def cmd_tune(args) -> int:
-    from .. import procfs
-    from ..cgroups.backends import open_backend
-    from ..cgroups.ledger import Ledger
-    from ..cgroups.tuner.daemon import TunerBusy, acquire_instance, release_instance
-    from ..cgroups.tuner.loop import Tuner
+    from ..cgroups.tuner import daemon
     from ..config import DEFAULT_CONFIG_PATH
-    from ..config.quantities import format_bytes
-    from ..datapath import control
     from ..host import facts
-    from ..host.heartbeat import write as write_heartbeat
-    from ..host.runstate import RunState
 
     root = args.cgroup_root or "/"
     if root == "/":
@@ -75,90 +42,13 @@ def cmd_tune(args) -> int:
     config = config_of(args)
     run_dir = run_dir_of(args, config)
     settings = _settings(args, config)
+    config_path = args.config or (DEFAULT_CONFIG_PATH if os.path.exists(DEFAULT_CONFIG_PATH) else None)
     try:
-        fd = acquire_instance(run_dir)
-    except TunerBusy as e:
+        return daemon.run(run_dir, config, config_path, settings, cgroup_root=root,
+                          steps=args.steps, keep=args.keep, heartbeat=args.heartbeat,
+                          without_device=args.without_device)
+    except daemon.TunerBusy as e:
         raise CliError(str(e)) from None
-
-    def log(line: str) -> None:
-        print(line, flush=True)
-
-    try:
-        ledger = Ledger(run_dir, fake=root != "/")
-        backend = open_backend(root, writer=ledger)
-        ledger.rel_of = backend.rel_of
-        config_path = args.config or (DEFAULT_CONFIG_PATH if os.path.exists(DEFAULT_CONFIG_PATH) else None)
-
-        def state():
-            try:
-                return RunState.load(run_dir)
-            except Exception:
-                return None
-
-        def device_ok() -> bool:
-            st = state()
-            return st is not None and procfs.swap_area(st.device) is not None
-
-        def pingpong():
-            st = state()
-            if st is None or not st.control_socket:
-                return None
-            return control.request(st.control_socket, "stats", timeout=2.0).get("pingpong")
-
-        def protected():
-            st = state()
-            return [p for p in ((st.nbdkit_pid, st.nbdfuse_pid) if st else ()) if p]
-
-        tuner = Tuner(backend, ledger, _scopes_reader(config_path, config, log), settings,
-                      pingpong=pingpong, device_ok=None if args.without_device else device_ok,
-                      protected_pids=protected, log=log)
-        log(f"tune: {backend.kind} memory hierarchy at {backend.mount}; mode {settings.mode}, "
-            f"interval {settings.interval:g}s, pressure target {settings.pressure_target * 100:g}%, "
-            f"floor {format_bytes(settings.floor)}, max probe {settings.max_probe:.0%}, "
-            f"grace {settings.grace:g}s, hold {settings.hold:g}s; config {config_path or '(defaults)'}, "
-            f"ledger {ledger.file}")
-        stop = threading.Event()
-
-        def on_signal(signum, frame):
-            # raise, so that a long synchronous reclaim write is interrupted too (v1 limit
-            # writes give up on a pending signal); the ledger is write-ahead, so stopping
-            # anywhere leaves a record that restores correctly
-            stop.set()
-            raise KeyboardInterrupt(f"signal {signum}")
-
-        def beat() -> None:
-            # ready while the device is swap (or --without-device): the tuner has work then
-            if args.heartbeat:
-                ok = args.without_device or device_ok()
-                try:
-                    write_heartbeat(args.heartbeat, ok, "" if ok else
-                                    f"no swap device attached from {run_dir}")
-                except OSError as e:
-                    log(f"tune: heartbeat {args.heartbeat}: {e.strerror or e}")
-
-        old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
-        try:
-            tuner.run(stop, steps=args.steps, after_step=beat)
-        except KeyboardInterrupt:
-            pass
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
-            # no signal may cut the restore short
-            ignored = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGHUP,
-                                                                      signal.SIGINT)}
-            try:
-                if args.keep:
-                    log(f"tune: stopped; settings kept (recorded in {ledger.file}; "
-                        f"`{PROG} down` restores them)")
-                else:
-                    tuner.restore()
-            finally:
-                for s, h in ignored.items():
-                    signal.signal(s, h)
-    finally:
-        release_instance(run_dir, fd)
-    return 0
 
 
 def _add_tuning_options(s) -> None:

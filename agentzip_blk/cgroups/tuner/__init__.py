@@ -1,7 +1,8 @@
 """The tuner: push scoped cgroups' cold pages into the device, in the manner of senpai/TMO.
 
 `controller` decides (Controller, PressureMeter), `loop` applies the decisions to every scoped
-cgroup (Tuner), `daemon` runs it as a background process (`up --tune`, stopped by `down`).
+cgroup (Tuner), `daemon` runs it as a process (its wiring, signals and the restore; `agentzip-blk tune`
+in the foreground, `up --tune` in the background, stopped by `down`).
 
 One :class:`Controller` per scoped cgroup keeps a *resident target*. Every interval:
 
