@@ -13,7 +13,7 @@ import swaplock  # noqa: E402  (tools/swaplock.py: the lock's one implementation
 # (the kernel spreads every cgroup's pages over all areas of the top priority), so one run's
 # kill or squeeze lands on the other's workloads. Every test that may attach swap holds this
 # lock, shared with the benchmark tools (tools/ take it too), until the session ends.
-SWAP_LOCK_PATH = swaplock.SWAP_LOCK  # the lock docs/CONTRIBUTING-AGENTS.md names
+SWAP_LOCK_PATH = swaplock.SWAP_LOCK  # the lock docs/CONTRIBUTING.md names
 _SWAP_FILES = ("test_device.py", "test_doctor.py", "test_metrics_swap.py", "test_scoped_swap.py",
                "test_swap.py", "test_workloads.py", "test_cgstats.py", "test_protection.py",
                "test_swap_stress.py", "test_cli_survival.py")
@@ -37,3 +37,18 @@ def _hold_swap_lock() -> None:
 def pytest_runtest_setup(item):
     if item.get_closest_marker("swap") is not None or item.path.name in _SWAP_FILES:
         _hold_swap_lock()
+
+
+# The inner loop (`pytest -m "not slow"`, docs/CONTRIBUTING.md) leaves out what needs root,
+# swap or a server, or takes more than a few seconds. A test or module marks itself slow;
+# these markers and the swap files above imply it.
+_SLOW_MARKERS = ("swap", "nbdkit", "long")
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    for item in items:
+        if item.path.name in _SWAP_FILES or any(item.get_closest_marker(m) is not None
+                                                for m in _SLOW_MARKERS):
+            item.add_marker(pytest.mark.slow)

@@ -34,6 +34,7 @@ UNITS = sorted(str(p.relative_to(units_install.SOURCE)) for p in units_install.u
 pytestmark = pytest.mark.skipif(
     any(shutil.which(t) is None for t in ("dpkg-deb", "dpkg", "cc", "lintian")),
     reason="needs dpkg-deb, dpkg, cc and lintian (./setup.sh test installs them)")
+pytestmark = [pytestmark, pytest.mark.slow]  # the inner loop leaves it out
 
 
 def run(cmd, **kw) -> subprocess.CompletedProcess:

@@ -30,6 +30,7 @@ def test_ruff():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+@pytest.mark.slow
 def test_vulture_finds_no_dead_code_in_the_package():
     """Unused functions, methods, classes, attributes and variables of agentzip_blk. The
     tests and the benchmarks count as users (they use the package as a library); what they

@@ -18,6 +18,8 @@ import pytest
 
 from agentzip_blk.datapath import native
 
+pytestmark = pytest.mark.slow  # the inner loop leaves it out (docs/CONTRIBUTING.md)
+
 ROOT = Path(__file__).resolve().parents[1]
 # import name -> distribution name, for the packages whose names differ
 DISTRIBUTION = {"yaml": "pyyaml", "ruamel": "ruamel.yaml", "prometheus_client": "prometheus-client"}

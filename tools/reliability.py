@@ -61,7 +61,7 @@ def run(fast: bool, examples: int | None, extra: list[str]) -> dict:
     env = dict(os.environ, AGENTZIP_RELIABILITY_LEDGER=ledger)
     env["AGENTZIP_FUZZ_EXAMPLES"] = str(examples or (120 if fast else 600))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
-           os.path.join(REPO, "tests", "reliability"), "-m", "not slow" if fast else "",
+           os.path.join(REPO, "tests", "reliability"), "-m", "not long" if fast else "",
            f"--junitxml={junit}", *extra]
     t0 = time.monotonic()
     with swap_lock(lambda msg: print(f"reliability: {msg}", file=sys.stderr, flush=True)):

@@ -124,6 +124,7 @@ def test_real_cgroup_file_is_written_and_restored():
         shutil.rmtree(run, ignore_errors=True)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a real cgroup)")
 def test_an_entry_without_an_inode_is_refused_by_down():
     """Issue 27: a ledger entry that names a real cgroup file on cgroupfs but carries no

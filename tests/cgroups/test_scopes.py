@@ -306,6 +306,7 @@ def test_cli_scope_errors(tmp_path, capsys):
     assert "no scope 'nope-*'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_tune_heartbeat_says_ready_only_with_a_device(tmp_path):
     """The DaemonSet's tuner probes: `tune --heartbeat` (its own process) writes the file each
     step; ready only while a swap device is attached from the run dir (none here), or with

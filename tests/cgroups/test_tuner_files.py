@@ -16,6 +16,8 @@ from agentzip_blk.host import procs
 from cgfake import fake_v2, w
 from cli.clirun import one_error_line, run
 
+pytestmark = pytest.mark.slow  # the inner loop leaves it out (docs/CONTRIBUTING.md)
+
 SANDBOX = "/agents/agent-sandbox-1.slice"
 
 

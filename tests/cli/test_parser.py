@@ -66,6 +66,7 @@ def test_global_options_before_or_after_the_subcommand(path, sub):
     assert PARSER.parse_args([*path, *rest]).progress is False
 
 
+@pytest.mark.slow
 def test_up_config_after_the_subcommand_is_read(tmp_path):
     # `up --config X` was refused by the parser; now X is read, and a bad X is its error
     bad = tmp_path / "c.yaml"
@@ -77,6 +78,7 @@ def test_up_config_after_the_subcommand_is_read(tmp_path):
     assert res.returncode == 3  # nothing was attached
 
 
+@pytest.mark.slow
 def test_commands_read_the_config_named_after_them(tmp_path):
     good = tmp_path / "c.yaml"
     good.write_text("compression:\n  level: 4\n")

@@ -7,11 +7,14 @@ from __future__ import annotations
 import hashlib
 import json
 
+import pytest
 import yaml
 
 from cgfake import fake_v2
 
 from .clirun import one_error_line, run
+
+pytestmark = pytest.mark.slow  # the inner loop leaves it out (docs/CONTRIBUTING.md)
 
 CONFIG = b"""\
 # the operator's file: comments, odd spacing and key order must survive

@@ -18,6 +18,8 @@ from nbdkit_server import nbdkit_available, start_server
 
 from .clirun import one_error_line, run
 
+pytestmark = pytest.mark.slow  # the inner loop leaves it out (docs/CONTRIBUTING.md)
+
 PAGE = 4096
 
 

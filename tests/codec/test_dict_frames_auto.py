@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 
 from agentzip_blk.codec.dictionaries.registry import DictionaryRegistry
 from agentzip_blk.codec.dictionaries.trainer import HostTrainer
@@ -70,6 +71,7 @@ def json_page(seed: int) -> bytes:
                      for _ in range(PAGE))[:PAGE]
 
 
+@pytest.mark.slow
 def test_auto_adopts_a_frame_dictionary_that_wins_on_a_later_run_and_frames_read_back():
     clock = Clock()
     store = PageStore(1024 * PAGE, max_size=64 << 20, frame_pages=4, dictionary="auto",

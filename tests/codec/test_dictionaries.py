@@ -145,6 +145,7 @@ def test_page_written_with_one_dictionary_reads_back_after_another_is_adopted():
     store.check()
 
 
+@pytest.mark.slow
 def test_auto_trains_and_adopts_a_host_dictionary_that_wins(monkeypatch):
     store = PageStore(2048 * PAGE, max_size=64 << 20, dictionary="auto")
     trainer = store.dicts.trainer

@@ -59,6 +59,7 @@ def store_ratio(pages: list[bytes], dictionary: str) -> float:
     return st["orig_mem"] / st["compressed_bytes"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="reads /proc/PID/mem of another process")
 def test_estimate_matches_the_store_on_the_same_pages(target):
     est = estimate_pids([target], limit=3000, seed=5, progress=False)
@@ -83,6 +84,7 @@ def test_recommendation_refuses_below_the_rollout_threshold():
     assert est.recommended == "zstd 3" and "recommended: zstd 3" in est.recommendation
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="reads /proc/PID/mem of another process")
 def test_estimate_cli_prints_progress_table_and_recommendation(target):
     res = subprocess.run([sys.executable, "-m", "agentzip_blk.cli", "estimate", "--pid", str(target),

@@ -165,6 +165,7 @@ def valid_configs(draw):
     }
 
 
+@pytest.mark.slow
 @given(valid_configs())
 def test_round_trip(data):
     original = copy.deepcopy(data)

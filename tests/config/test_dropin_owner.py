@@ -74,6 +74,7 @@ def test_roots_own_dropins_set_anything(tmp_path, config):
     assert load_layers(str(config)).config.pool.swap_out_path is None
 
 
+@pytest.mark.slow
 def test_the_cli_names_the_file_and_key(tmp_path, config):
     _dropin(tmp_path, "90-scopes.yaml", {"scopes": [], "device": {"run_dir": "/tmp/x"}},
             uid=AGENT)

@@ -147,6 +147,7 @@ def test_cli_error_line_names_the_file_and_the_key(etc):
     assert one_error_line(res.stderr).startswith(f"{bad}: pool.max_size: '1K' is too small")
 
 
+@pytest.mark.slow
 def test_cli_config_show_reports_sources(etc):
     base, d = etc
     lvl = write(d / "10-level.yaml", "compression:\n  level: 9\n")

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from agentzip_blk.config import Config, parse_config, reference
@@ -63,6 +64,7 @@ def test_sizes_are_written_as_util_linux_reads_them():
     assert parse_size("8G") == 8 << 30 == Config().pool.max_size
 
 
+@pytest.mark.slow
 def test_config_show_is_the_same_uncommented(tmp_path):
     """As an operator checks it: `config show` of the shipped file and of the same file with
     every setting uncommented print the same config; only the sources differ."""

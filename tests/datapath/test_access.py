@@ -171,6 +171,7 @@ def test_nbd_socket_refuses_other_uids(serve):
     assert ok.returncode == 0 and ok.stdout.strip() == str(SIZE)
 
 
+@pytest.mark.slow
 def test_control_group_may_only_read(serve):
     srv = serve(group="nogroup")
     st = os.lstat(srv.control)

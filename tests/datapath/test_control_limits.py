@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
+
 from agentzip_blk.datapath import control
 from agentzip_blk.datapath.server import GROUP_STATS_MIN_AGE
 from datapath.test_access import NOBODY, ask, pytestmark, serve  # noqa: F401 (the fixture)
@@ -85,6 +87,7 @@ def _member_stats(path: str) -> dict:
     return json.loads(r.stdout)
 
 
+@pytest.mark.slow
 def test_the_group_cannot_force_a_scan_per_request(serve):
     srv = serve(group="nogroup")
     fresh = control.request(srv.control, "stats", max_age=0)  # root may force one

@@ -231,6 +231,7 @@ def fuzz_store():
 
 # -- interleaved with Python's maintenance --------------------------------------------------
 
+@pytest.mark.slow
 def test_native_reads_interleaved_with_writes_recompression_compaction_and_demotion(tmp_path):
     """Readers read pages whose bytes never change, while Python rewrites them with the
     same bytes (new blobs, slot switches), writes other pages, packs warm pages into frames,

@@ -26,7 +26,7 @@ from nativeharness import NativeRequests, native_store
 
 PAGE = 4096
 
-pytestmark = pytest.mark.skipif(not native.available(), reason=native.MISSING or "built")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not native.available(), reason=native.MISSING or "built")]
 
 
 def text_page(rnd: random.Random, salt: int) -> bytes:

@@ -335,6 +335,7 @@ def write_fuzz():
 
 # -- interleaved with Python's maintenance --------------------------------------------------
 
+@pytest.mark.slow
 def test_native_writes_and_reads_interleaved_with_recompression_compaction_demotion(tmp_path):
     """Writers rewrite their own ranges through the native loop (each thread its own pages,
     its model exact), readers read them natively, while Python packs warm pages into frames,

@@ -93,6 +93,7 @@ def test_device_ratio_target_can_miss():
     assert "missed (0/3 rounds)" in row
 
 
+@pytest.mark.slow
 def test_chart_has_two_series_with_error_bars(tmp_path):
     doc = doc_with_rounds()
     data = bench_report.chart_data(doc)

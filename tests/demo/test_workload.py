@@ -7,7 +7,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from agentzip_blk.demo.workload import WORKLOAD
+
+pytestmark = pytest.mark.slow  # the inner loop leaves it out (docs/CONTRIBUTING.md)
 
 
 def start(*args):

@@ -121,6 +121,7 @@ def agent_dir():
     shutil.rmtree(d, ignore_errors=True)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
                     reason="root and setpriv: the agent runs as another uid")
 def test_the_non_root_node_agent_writes_scopes_only(agent_dir):

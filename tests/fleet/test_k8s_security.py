@@ -28,6 +28,8 @@ from agentzip_blk.fleet.k8s import annotations as ann
 from agentzip_blk.fleet.k8s import nodeagent, podcgroup, webhook
 from fleet.test_k8s import PodListServer
 
+pytestmark = pytest.mark.slow  # the inner loop leaves it out (docs/CONTRIBUTING.md)
+
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "tests/data"
 

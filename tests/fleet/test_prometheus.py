@@ -43,12 +43,14 @@ def test_alert_rules_pass_promtool_check():
     assert "SUCCESS: 7 rules found" in r.stdout
 
 
+@pytest.mark.slow
 @needs_promtool
 def test_alert_rules_unit_tests_pass():
     r = promtool("test", "rules", str(RULE_TESTS))
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+@pytest.mark.slow
 @needs_promtool
 def test_rule_unit_tests_can_fail(tmp_path):
     """The unit tests are not vacuous: with the server-down alert's condition inverted they fail."""

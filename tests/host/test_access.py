@@ -95,6 +95,7 @@ def test_run_dir_of_another_owner_is_refused(base):
     assert snapshot(run) == before
 
 
+@pytest.mark.slow
 def test_run_dir_symlink_is_refused_and_target_untouched(base):
     target = base / "target"
     target.mkdir(mode=0o755)
@@ -205,6 +206,7 @@ def test_down_does_not_run_tools_named_in_state(base):
         assert not any(line.split()[4] == str(mnt) for line in f)
 
 
+@pytest.mark.slow
 def test_status_of_non_root_is_a_clear_error(base):
     run = base / "run"
     secure_run_dir(str(run))
@@ -221,6 +223,7 @@ def test_status_of_non_root_is_a_clear_error(base):
 
 # --- the config key --------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_control_group_validates(base):
     assert parse_config({"device": {"control_group": "nogroup"}}).device.control_group == "nogroup"
     assert parse_config({}).device.control_group is None
@@ -242,6 +245,7 @@ def test_control_group_validates(base):
     assert cli.main(["--config", str(cfg), "status"]) == 2
 
 
+@pytest.mark.slow
 def test_state_naming_foreign_paths_is_refused(base):
     """A state.json that points `down` at another mount, swap area or loop device is refused
     before anything runs: the mount stays, the CLI says why in one line."""

@@ -72,6 +72,7 @@ def run_doctor(tmp_path, kubelet_config: Path) -> dict:
     return {"rc": r.returncode, "status": out["status"], **c}
 
 
+@pytest.mark.slow
 def test_doctor_cli_kubelet_check(tmp_path):
     kc = tmp_path / "kubelet.yaml"
     kc.write_text(KC + "failSwapOn: true\n")

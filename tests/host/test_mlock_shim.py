@@ -46,6 +46,7 @@ def assert_shim_works(lib: str) -> None:
     assert "nbdfuse refused a signal" in err
 
 
+@pytest.mark.slow
 @needs_cc
 def test_compiled_shim_locks_and_refuses_sigterm(tmp_path):
     lib = chain.compile_mlock_shim(str(tmp_path / "shim.so"))

@@ -26,7 +26,7 @@ def skip_reason(*tools: str, root: bool = True, nbd: bool = True) -> str | None:
 
 @pytest.fixture
 def swap_locked():
-    """Hold the machine-wide swap lock for the test (see docs/CONTRIBUTING-AGENTS.md)."""
+    """Hold the machine-wide swap lock for the test (see docs/CONTRIBUTING.md)."""
     with support.swap_lock():
         yield
 

@@ -18,6 +18,7 @@ from .support import PAGE, make_pages
 
 pytestmark = pytest.mark.skipif(skip_reason("nbdkit") is not None,
                                 reason=str(skip_reason("nbdkit")))
+pytestmark = [pytestmark, pytest.mark.slow]  # the inner loop leaves it out
 
 SIZE = 64 << 20
 CONNECTIONS = 4
@@ -140,6 +141,6 @@ def test_model_fast(tmp_path):
     run_model(tmp_path, ops=400, seed=1)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_model_long(tmp_path):
     run_model(tmp_path, ops=6000, seed=100)

@@ -93,6 +93,7 @@ requests = st.dictionaries(st.text(max_size=12), json_values, max_size=5).flatma
                             st.sampled_from(VERBS) | st.text(max_size=20) | json_values))
 
 
+@pytest.mark.slow
 @settings(max_examples=EXAMPLES, deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
 @given(st.lists(requests, min_size=1, max_size=4))
@@ -219,6 +220,7 @@ def test_idle_clients_do_not_block_others(srv):
     alive(srv)
 
 
+@pytest.mark.slow
 def test_concurrent_clients_with_io(srv):
     """16 clients x 40 requests of every verb and some garbage, with NBD writes and reads
     verified at the same time."""

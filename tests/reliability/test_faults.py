@@ -21,6 +21,7 @@ from .support import PAGE, make_pages
 pytestmark = pytest.mark.skipif(
     skip_reason("nbdkit", "nbdfuse", "losetup", "fusermount3") is not None,
     reason=str(skip_reason("nbdkit", "nbdfuse", "losetup", "fusermount3")))
+pytestmark = [pytestmark, pytest.mark.slow]  # the inner loop leaves it out
 
 SIZE = "64M"
 BLKDISCARD = 0x1277  # linux/fs.h: _IO(0x12, 119)

@@ -14,6 +14,7 @@ from .conftest import skip_reason
 
 pytestmark = pytest.mark.skipif(skip_reason("nbdkit", "fio") is not None,
                                 reason=str(skip_reason("nbdkit", "fio")))
+pytestmark = [pytestmark, pytest.mark.slow]  # the inner loop leaves it out
 
 # name, fio arguments (on top of --verify=crc32c and the target)
 JOBS = [
@@ -107,13 +108,13 @@ def test_fio_loop_fast(tmp_path):
     _loop(tmp_path, 16 << 20, seed=12)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_fio_nbd_1gib(tmp_path):
     out = _nbd(tmp_path, 96 << 20, seed=21)
     assert out["traffic"] >= 1 << 30
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.skipif(loop_skip is not None, reason=str(loop_skip))
 def test_fio_loop_1gib(tmp_path):
     out = _loop(tmp_path, 96 << 20, seed=22)

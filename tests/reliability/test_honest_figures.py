@@ -53,6 +53,7 @@ def test_a_block_that_fails_still_records_its_losses(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(skip_reason("nbdkit", "nbdfuse", "losetup", "fusermount3") is not None,
                     reason=str(skip_reason("nbdkit", "nbdfuse", "losetup", "fusermount3")))
+@pytest.mark.slow
 def test_a_failing_fault_run_reports_what_it_lost(tmp_path):
     """test_faults' pool-full run on a device that corrupts one page: the run fails, and the
     ledger holds the loss it found."""

@@ -21,6 +21,7 @@ from .support import PAGE
 
 pytestmark = pytest.mark.skipif(skip_reason("nbdkit") is not None,
                                 reason=str(skip_reason("nbdkit")))
+pytestmark = [pytestmark, pytest.mark.slow]  # the inner loop leaves it out
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -171,7 +172,7 @@ def test_model_holds_after_the_storm(hostile):
     assert st_["errors"] == 0, "no hostile request may reach the store as an I/O error"
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @settings(max_examples=10 * FAST, deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
 @given(st.lists(request, min_size=1, max_size=12))

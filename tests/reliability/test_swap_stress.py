@@ -149,7 +149,7 @@ def test_stress_ng_swap_fast(tmp_path):
     _check(run_stress(tmp_path, seconds=20), pool_cycles=20, disk_cycles=4)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_stress_ng_swap_long(tmp_path):
     # 2.25x the limit: a hard limit far below what runs makes v1 reclaim give up and
     # OOM-kill even with free swap (docs/ARCHITECTURE.md: squeeze gradually); that is not the device

@@ -13,6 +13,8 @@ import pytest
 
 from agentzip_blk.store.pagestore import PageStore
 
+pytestmark = pytest.mark.slow  # the inner loop leaves it out (docs/CONTRIBUTING.md)
+
 PAGE = 4096
 REGION = 96  # pages per writer thread
 WRITERS = 4

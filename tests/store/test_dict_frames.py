@@ -14,6 +14,8 @@ from agentzip_blk.codec.dictionaries.trainer import as_kind, train_dictionary
 from agentzip_blk.store import PageStore
 from tests.store import test_store as base
 
+pytestmark = pytest.mark.slow  # the inner loop leaves it out (docs/CONTRIBUTING.md)
+
 PAGE = 4096
 WORDS = [b'{"role": "tool",', b'"content":', b'"result"', b'"arguments":', b"value", b"42,",
          b"\\n", b"null", b"true"]

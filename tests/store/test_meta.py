@@ -121,6 +121,7 @@ def test_a_rebuilt_index_finds_every_entry(keys, capacity, high):
     assert index.count == 0 and index.unindexed == 0
 
 
+@pytest.mark.slow
 def test_the_maintainer_sizes_the_index_and_writes_never_grow_it():
     store = PageStore(64 << 20, frame_pages=16)
     woken = []
@@ -160,6 +161,7 @@ def test_device_size_limit_matches_the_ids():
         PageStore(MAX_DEVICE_SIZE + PAGE)
 
 
+@pytest.mark.slow
 def test_cli_refuses_a_device_beyond_the_ids(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text("device:\n  size: 1T\n")
@@ -172,6 +174,7 @@ def test_cli_refuses_a_device_beyond_the_ids(tmp_path):
     assert res.returncode == 0, res.stderr
 
 
+@pytest.mark.slow
 def test_the_maintainer_grows_the_blob_table_ahead_of_the_writes():
     store = PageStore(16 << 20, frame_pages=1)
     blobs = store.blobs

@@ -121,6 +121,7 @@ def test_a_rewrite_after_the_move_wins_and_a_reread_comes_back(tmp_path):
     st.check()
 
 
+@pytest.mark.slow
 def test_concurrent_requests_while_returned_copies_move(tmp_path):
     """Writers, readers and trims against the maintainer moving returned copies (mode
     always, the clock racing ahead): every page exact, the books consistent."""

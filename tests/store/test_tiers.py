@@ -18,6 +18,8 @@ from agentzip_blk.store import PageStore, Tiering
 from agentzip_blk.store.blobs import DISK, POOL
 from agentzip_blk.store.slots import BLOB
 
+pytestmark = pytest.mark.slow  # the inner loop leaves it out (docs/CONTRIBUTING.md)
+
 PAGE = 4096
 N_PAGES = 700  # ~750 KiB of cells: past a 50% threshold of a 1 MiB pool
 

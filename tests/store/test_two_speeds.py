@@ -187,6 +187,7 @@ def test_pool_pressure_packs_the_oldest_warm_pages_at_any_age():
     st.check()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("frame_pages", [1, 16])
 def test_recompression_under_concurrent_writes_trims_and_reads(frame_pages):
     regions, region = 3, 128
@@ -246,6 +247,7 @@ def test_recompression_under_concurrent_writes_trims_and_reads(frame_pages):
     st.check()
 
 
+@pytest.mark.slow
 def test_the_budget_holds():
     clock = Clock()
     st = make(clock, grace=1.0, cpu=0.25, size=64 << 20)
@@ -301,6 +303,7 @@ def test_config_keys():
     assert store.warm_codec is None
 
 
+@pytest.mark.slow
 def test_packed_warm_rows_go_back_to_the_kernel():
     """A warm page costs a blob row (~100 B); once 16 of them are one frame, the frames are
     moved down and the free top of the blob table is released, generations kept."""
