@@ -40,7 +40,8 @@ def modules(root: Path = ROOT, package: str = PACKAGE) -> dict[str, Path]:
     return found
 
 
-def _resolve(module: str, node: ast.ImportFrom, is_package: bool) -> str:
+def resolve(module: str, node: ast.ImportFrom, is_package: bool) -> str:
+    """The absolute module an ImportFrom names (relative imports resolved)."""
     if not node.level:
         return node.module or ""
     base = module.split(".")
@@ -64,7 +65,7 @@ def imports(path: Path, module: str, known: set[str]) -> set[str]:
                 if name:
                     out.add(name)
         elif isinstance(node, ast.ImportFrom):
-            source = _resolve(module, node, is_package)
+            source = resolve(module, node, is_package)
             for alias in node.names:
                 sub = f"{source}.{alias.name}"
                 if sub in known:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from importgraph import resolve as _resolve
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "agentzip_blk"
 # Code outside the package that is held to the same rule: it uses the package as a library.
@@ -26,15 +28,6 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _resolve(module: str, node: ast.ImportFrom, is_package: bool) -> str:
-    """The absolute module an ImportFrom names (relative imports resolved)."""
-    if not node.level:
-        return node.module or ""
-    base = module.split(".")
-    if not is_package:
-        base = base[:-1]
-    base = base[: len(base) - (node.level - 1)]
-    return ".".join(base + ([node.module] if node.module else []))
 
 
 def _private(name: str) -> bool:
