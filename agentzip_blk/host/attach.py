@@ -75,8 +75,7 @@ def swapoff_fits(used: int, mem: dict[str, int]) -> tuple[bool, int, int]:
 def up(config=None, config_path: str | None = None, run_dir: str | None = None,
        priority: int | None = None, size: int | None = None, *, plugin: str | None = None,
        allow_zswap: bool = False, tools: dict | None = None, kernel_nbd: bool | None = None,
-       timeout: float = 30.0, mlock: bool = True,
-       fail_after: str | None = None, frontend: str | None = None) -> RunState:
+       timeout: float = 30.0, mlock: bool = True, frontend: str | None = None) -> RunState:
     """Start the server and attach it as swap. Returns the saved RunState.
 
     ``plugin``: path of a Python plugin (default: the package's datapath/nbdkit_plugin.py) or
@@ -87,7 +86,6 @@ def up(config=None, config_path: str | None = None, run_dir: str | None = None,
     (mlockall(MCL_CURRENT|MCL_FUTURE|MCL_ONFAULT), whatever ``mlock`` says); ``mlock`` adds
     the preload library that locks nbdfuse, and ``--swap`` for a named nbdkit plugin (which
     costs nbdkit's whole 192 MiB .bss plus every thread stack in RAM: servercmd).
-    ``fail_after`` (tests) raises right after the named step to exercise the rollback.
     """
     facts.require_root("agentzip-blk up")
     tools = dict(tools or {})
@@ -120,7 +118,7 @@ def up(config=None, config_path: str | None = None, run_dir: str | None = None,
     try:
         with locked(run_dir, _group_gid(group), keep_group=False):
             return _up_locked(run_dir, plugin, nbd_socket, config, config_path, size, priority,
-                              kernel_nbd, frontend, tools, mlock, timeout, fail_after)
+                              kernel_nbd, frontend, tools, mlock, timeout)
     finally:
         os.umask(old_umask)
 
@@ -136,7 +134,7 @@ def _group_gid(name: str | None) -> int | None:
 
 def _up_locked(run_dir: str, plugin: str, nbd_socket: str, config, config_path: str | None,
                size: int, priority: int, kernel_nbd: bool, frontend: str, tools: dict,
-               mlock: bool, timeout: float, fail_after: str | None) -> RunState:
+               mlock: bool, timeout: float) -> RunState:
     old = RunState.load(run_dir)
     if old is not None:
         live = liveness(old)
@@ -167,7 +165,7 @@ def _up_locked(run_dir: str, plugin: str, nbd_socket: str, config, config_path: 
                      rotational=bool(config is not None and config.device.rotational))
     state.save()
     try:
-        up_steps(state, timeout, fail_after)
+        up_steps(state, timeout)
     except BaseException as exc:
         try:
             teardown(state, timeout, trusted=True)  # our own state, in memory

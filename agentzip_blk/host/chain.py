@@ -17,6 +17,7 @@ small preload library built here locks it (_MLOCK_SHIM_C).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import shutil
@@ -45,6 +46,8 @@ from .servercmd import (
     plugin_env,
     server_command,
 )
+
+log = logging.getLogger(__name__)
 
 SWAP_LABEL = "agentzip"
 
@@ -516,12 +519,13 @@ def server_request(state: RunState, cmd: str, timeout: float, **args) -> dict:
         raise DeviceError(f"nbdkit control {cmd}: {exc}; log {state.run_dir}/nbdkit.log") from None
 
 
-def inject(step: str, fail_after: str | None) -> None:
-    if fail_after == step:
-        raise DeviceError(f"injected failure after {step}")
+def step_done(step: str) -> None:
+    """Each step of the attach (nbdkit, nbdfuse or fuse, losetup, mkswap, swapon) ends here:
+    one debug line. Whatever it raises is the step's failure: up rolls everything back."""
+    log.debug("up: %s done", step)
 
 
-def up_steps(state: RunState, timeout: float, fail_after: str | None) -> None:
+def up_steps(state: RunState, timeout: float) -> None:
     run_dir, tools = state.run_dir, state.tools
     # 1. nbdkit, detached in its own session, memory locked
     nbdkit = resolve_tool("nbdkit", tools)
@@ -552,7 +556,7 @@ def up_steps(state: RunState, timeout: float, fail_after: str | None) -> None:
     # best effort: needs CAP_SYS_RESOURCE (missing in some containers)
     state.oom_protected = procs.set_oom_score_adj(proc.pid, -1000)
     state.save()
-    inject("nbdkit", fail_after)
+    step_done("nbdkit")
 
     # 2. block device
     if state.mode == "nbd":
@@ -566,10 +570,10 @@ def up_steps(state: RunState, timeout: float, fail_after: str | None) -> None:
     else:
         if state.frontend == "nbdfuse":
             _start_nbdfuse(state, timeout)
-        _attach_loop(state, timeout, fail_after)
+        _attach_loop(state, timeout)
 
     # 3. mkswap + swapon
-    _swapon(state, timeout, fail_after)
+    _swapon(state, timeout)
 
 
 def _private_socket(path: str) -> None:
@@ -623,11 +627,11 @@ def _start_nbdfuse(state: RunState, timeout: float) -> None:
     state.save()
 
 
-def _attach_loop(state: RunState, timeout: float, fail_after: str | None) -> None:
+def _attach_loop(state: RunState, timeout: float) -> None:
     st = os.stat(state.fuse_file)
     if st.st_size != state.size:
         raise DeviceError(f"{state.fuse_file} has size {st.st_size}, expected {state.size}")
-    inject(state.frontend, fail_after)
+    step_done(state.frontend)
 
     out = run_tool([resolve_tool("losetup", state.tools), "--direct-io=on", "--show", "-f",
                     state.fuse_file], timeout=timeout, what="losetup")
@@ -642,17 +646,17 @@ def _attach_loop(state: RunState, timeout: float, fail_after: str | None) -> Non
                           "page cache and no memory is saved")
     if state.rotational:
         _mark_rotational(loop)
-    inject("losetup", fail_after)
+    step_done("losetup")
 
 
-def _swapon(state: RunState, timeout: float, fail_after: str | None) -> None:
+def _swapon(state: RunState, timeout: float) -> None:
     """mkswap + swapon, the server told first which device it must not die under."""
     tools = state.tools
     run_tool([resolve_tool("mkswap", tools), "-L", SWAP_LABEL, state.device], timeout=timeout,
              what=f"mkswap {state.device}")
     state.mkswap_done = True
     state.save()
-    inject("mkswap", fail_after)
+    step_done("mkswap")
     if state.control_socket:
         server_request(state, "guard", timeout, device=state.device)
     ordered = swapunit.write_order(state.device)  # systemd's swap unit stops after `down`
@@ -664,7 +668,7 @@ def _swapon(state: RunState, timeout: float, fail_after: str | None) -> None:
         swapunit.reload()
     state.swap_on = True
     state.save()
-    inject("swapon", fail_after)
+    step_done("swapon")
 
 
 if __name__ == "__main__":  # build the shim ahead of time: python -m agentzip_blk.host.chain LIB

@@ -120,7 +120,6 @@ class PageStore:
         self.nslots = size // page_size
         self.slots = SlotTable(self.nslots)
         # the slot columns, for reading (tests, accounting)
-        self.kind, self.handle, self.sub = self.slots.kind, self.slots.handle, self.slots.sub
         self.frame_pages = frame_pages
         writer = make_codec(algorithm, level, page_size)
         # Pooled: request threads compress their frames before they take the lock.
@@ -211,10 +210,6 @@ class PageStore:
     def frames(self) -> HotCache:
         """The cache of decompressed frames."""
         return self.objects.frames
-
-    @frames.setter
-    def frames(self, cache: HotCache) -> None:
-        self.objects.frames = cache
 
     # -- public requests -------------------------------------------------------------
 
@@ -531,7 +526,7 @@ class PageStore:
         """A slot's page out of its blob's decompressed bytes."""
         if len(data) == self.page_size:
             return data
-        page, sub = self.page_size, int(self.sub[slot])
+        page, sub = self.page_size, int(self.slots.sub[slot])
         return memoryview(data)[sub * page : (sub + 1) * page]
 
     def _readinto(self, out: memoryview, offset: int, late: dict | None = None) -> None:
@@ -555,8 +550,8 @@ class PageStore:
             self._readinto_few(out, first, count, touch, late)
             return
         page = self.page_size
-        kinds = self.kind[first : first + count]
-        handles = self.handle[first : first + count]
+        kinds = self.slots.kind[first : first + count]
+        handles = self.slots.handle[first : first + count]
         for i in np.flatnonzero(kinds != BLOB).tolist():
             if kinds[i] == EMPTY:
                 out[i * page : (i + 1) * page] = self._zero_page
@@ -583,12 +578,12 @@ class PageStore:
         if late is None:
             data = self.objects.fetch(blob, is_hot, touch)
         elif blob in late:
-            late[blob][1].append((i, int(self.sub[slot])))
+            late[blob][1].append((i, int(self.slots.sub[slot])))
             return
         else:
             data = self.objects.fetch_or_defer(blob, is_hot, touch)
             if isinstance(data, Deferred):
-                late[blob] = (data, [(i, int(self.sub[slot]))])
+                late[blob] = (data, [(i, int(self.slots.sub[slot]))])
                 return
         page = self.page_size
         out[i * page : (i + 1) * page] = self._page_of(data, slot)
@@ -602,13 +597,13 @@ class PageStore:
         now = self.now() if touch else 0
         for i in range(count):
             slot = first + i
-            kind = self.kind[slot]
+            kind = self.slots.kind[slot]
             if kind == EMPTY:
                 out[i * page : (i + 1) * page] = self._zero_page
             elif kind == SAME:
-                out[i * page : (i + 1) * page] = self.slots.words.page(int(self.handle[slot]), page)
+                out[i * page : (i + 1) * page] = self.slots.words.page(int(self.slots.handle[slot]), page)
             else:
-                blob = int(self.handle[slot])
+                blob = int(self.slots.handle[slot])
                 is_hot = False
                 if touch:
                     last = int(blobs.rtime[blob])

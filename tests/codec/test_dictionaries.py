@@ -131,7 +131,7 @@ def test_page_written_with_one_dictionary_reads_back_after_another_is_adopted():
     new = registry.add("second", train_content(text_pages(300, 20), 16384), "host")
     registry.retire(old.id)
     store.write(b"".join(b_pages), 40 * PAGE)
-    ids = store.blobs.dict_id[store.handle[40:80].astype(np.int64)]
+    ids = store.blobs.dict_id[store.slots.handle[40:80].astype(np.int64)]
     assert set(ids.tolist()) == {new.id}
     store.dicts._next_collect = 0
     store.write(b"\1" * PAGE, 100 * PAGE)  # a write runs the collection of unused dictionaries

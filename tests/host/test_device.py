@@ -514,12 +514,23 @@ def test_rotational_on_request(run_dir):
     assert_clean(run_dir)
 
 
+def fail_after(monkeypatch, failing: str) -> None:
+    """Make the attach fail right after step ``failing`` (chain.step_done ends each step)."""
+    from agentzip_blk.host import chain
+
+    def step_done(step: str) -> None:
+        if step == failing:
+            raise errors.DeviceError(f"injected failure after {step}")
+
+    monkeypatch.setattr(chain, "step_done", step_done)
+
+
 @requires_swap
 @pytest.mark.parametrize("step", ["nbdkit", "nbdfuse", "losetup", "mkswap", "swapon"])
-def test_rollback_after_each_step(run_dir, step):
+def test_rollback_after_each_step(run_dir, step, monkeypatch):
+    fail_after(monkeypatch, step)
     with pytest.raises(errors.DeviceError, match=f"injected failure after {step}"):
-        attach.up(_config(run_dir), None, run_dir, priority=9, size=SIZE, plugin="memory",
-                  fail_after=step)
+        attach.up(_config(run_dir), None, run_dir, priority=9, size=SIZE, plugin="memory")
     assert_clean(run_dir)
     assert not os.path.exists(os.path.join(run_dir, "state.json"))
 
@@ -527,12 +538,13 @@ def test_rollback_after_each_step(run_dir, step):
 @requires_swap
 @pytest.mark.skipif(not os.path.isfile(default_plugin_path()), reason="plugin missing")
 @pytest.mark.parametrize("step", ["nbdkit", "fuse", "losetup", "mkswap", "swapon"])
-def test_rollback_after_each_step_in_process_fuse(run_dir, step):
+def test_rollback_after_each_step_in_process_fuse(run_dir, step, monkeypatch):
     """The in-process front end: a failure after nbdkit mounted its FUSE file unmounts it
     (the server then stops with nothing left behind)."""
+    fail_after(monkeypatch, step)
     with pytest.raises(errors.DeviceError, match=f"injected failure after {step}"):
         attach.up(_config(run_dir), None, run_dir, priority=9, size=SIZE, frontend="fuse",
-                  kernel_nbd=False, fail_after=step)
+                  kernel_nbd=False)
     assert_clean(run_dir)
     assert not os.path.exists(os.path.join(run_dir, "state.json"))
 

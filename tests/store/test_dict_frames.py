@@ -216,7 +216,7 @@ def test_a_frame_read_with_the_wrong_dictionary_is_eio_never_other_bytes(kind: s
     other.load(True)
     data = b"".join(text_page(i) for i in range(16))
     store.write(data, 0)
-    blob = int(store.handle[0])
+    blob = int(store.slots.handle[0])
     assert int(store.blobs.dict_id[blob]) == entry.id
     for wrong in (other.id, 0):  # another loaded dictionary, and none at all
         store.blobs.dict_id[blob] = wrong

@@ -64,7 +64,7 @@ def test_overwrite_inside_a_unit_keeps_the_others_and_the_last_page_frees_it():
     st = store(4)
     data = bytearray(pages(0, 4))
     st.write(bytes(data), 0)
-    blob = int(st.handle[0])
+    blob = int(st.slots.handle[0])
     new = text_page(1000)
     st.write(new, 2 * PAGE)
     data[2 * PAGE : 3 * PAGE] = new
@@ -116,7 +116,7 @@ def test_a_page_equal_to_one_inside_a_unit_shares_it_and_keeps_it_alive():
     assert stats["dedup_hits"] == 1
     assert stats["shared_pages"] == 2
     assert stats["dedup_saved_pages"] == 1
-    assert st.handle[100] == st.handle[2] and st.sub[100] == st.sub[2] == 2
+    assert st.slots.handle[100] == st.slots.handle[2] and st.slots.sub[100] == st.slots.sub[2] == 2
     st.trim(0, 4 * PAGE)  # the unit's own slots go; the twin keeps it
     assert read_pages(st, 100, 1) == twin
     assert st.stats()["unit_dead_pages"] == 3
@@ -134,7 +134,7 @@ def test_equal_pages_within_one_request_are_stored_once():
     stats = st.stats()
     assert stats["dedup_hits"] == 3
     assert stats["unique_blobs"] == 1 and stats["units"] == 1
-    assert int(st.blobs.pages[int(st.handle[0])]) == 3
+    assert int(st.blobs.pages[int(st.slots.handle[0])]) == 3
     assert read_pages(st, 0, 6) == data
     st.check()
 
@@ -165,7 +165,7 @@ def test_units_with_every_codec(algorithm: str, level: int):
     data = pages(0, 9)
     st.write(data, 0)
     assert st.stats()["units"] == 2  # 4 + 4; the ninth page alone
-    st.frames = type(st.frames)(0)  # no cached copies: decode from the pool every time
+    st.objects.frames = type(st.frames)(0)  # no cached copies: decode from the pool every time
     assert read_pages(st, 0, 9) == data
     st.check()
 
@@ -173,9 +173,9 @@ def test_units_with_every_codec(algorithm: str, level: int):
 def test_a_unit_decoded_to_the_wrong_size_is_an_error():
     st = store(4)
     st.write(pages(0, 4), 0)
-    blob = int(st.handle[0])
+    blob = int(st.slots.handle[0])
     st.blobs.pages[blob] = 3  # the books now disagree with the stored frame
-    st.frames = type(st.frames)(0)
+    st.objects.frames = type(st.frames)(0)
     with pytest.raises(Corrupt, match="does not decode"):  # EIO, counted, never other bytes
         st.read(0, PAGE)
     assert st.counters.checksum_errors == 1
@@ -194,10 +194,10 @@ def test_units_in_the_disk_tier_read_back_and_come_home(tmp_path):
     st.maintain()  # demotes cold units
     assert st.stats()["demotions"] > 0
     st.check()
-    st.frames = type(st.frames)(0)
+    st.objects.frames = type(st.frames)(0)
     assert read_pages(st, 0, 200) == data
-    on_disk = [s for s in range(200) if st.blobs.tier[int(st.handle[s])] == DISK]
-    in_pool = [s for s in range(200) if st.blobs.tier[int(st.handle[s])] != DISK]
+    on_disk = [s for s in range(200) if st.blobs.tier[int(st.slots.handle[s])] == DISK]
+    in_pool = [s for s in range(200) if st.blobs.tier[int(st.slots.handle[s])] != DISK]
     assert on_disk and in_pool
     for slot in in_pool:  # room in the pool: reads of disk units now bring them back
         st.trim(slot * PAGE, PAGE)

@@ -66,7 +66,7 @@ def test_a_flipped_byte_in_a_pool_cell_is_corrupt_never_wrong_bytes(tmp_path, al
         run = [os.urandom(PAGE) if kind == "raw" else page_of(slot + i) for i in range(step)]
         store.write(b"".join(run), slot * PAGE)
         pages.update({slot + i: p for i, p in enumerate(run)})
-    blob = int(store.handle[4])
+    blob = int(store.slots.handle[4])
     assert int(store.blobs.pages[blob]) == step
     if kind != "frame":
         assert codec_name(store, blob).startswith(kind)
@@ -100,9 +100,9 @@ def test_a_corrupt_dedup_candidate_is_not_shared_and_the_write_succeeds(tmp_path
     store = make_store(tmp_path)
     page = page_of(1)
     store.write(page, 0)
-    flip_cell(store, int(store.handle[0]), 100)
+    flip_cell(store, int(store.slots.handle[0]), 100)
     store.write(page, PAGE)  # the same content: the corrupt copy is not shared
-    assert int(store.handle[1]) != int(store.handle[0])
+    assert int(store.slots.handle[1]) != int(store.slots.handle[0])
     assert store.read(PAGE, PAGE) == page
     with pytest.raises(Corrupt):
         store.read(0, PAGE)
@@ -122,7 +122,7 @@ def test_disk_extents_are_sealed_to_their_place(tmp_path):
         store.write(page, slot * PAGE)
     demote_all(store)
     blobs = store.blobs
-    ids = [int(store.handle[slot]) for slot in range(8)]
+    ids = [int(store.slots.handle[slot]) for slot in range(8)]
     assert all(blobs.tier[b] == DISK for b in ids)
     size = store.disk.extent_size(PAGE)
     with open(tmp_path / "tier", "r+b") as f:
@@ -307,7 +307,7 @@ def test_demotion_writes_outside_the_lock_and_skips_blobs_freed_meanwhile(tmp_pa
     pages = {slot: page_of(slot) for slot in range(12)}
     for slot, page in pages.items():
         store.write(page, slot * PAGE)
-    freed = int(store.handle[3])
+    freed = int(store.slots.handle[3])
     seen = {}
     sync = DiskTier.sync_written
 
@@ -319,7 +319,7 @@ def test_demotion_writes_outside_the_lock_and_skips_blobs_freed_meanwhile(tmp_pa
         store.trim(3 * PAGE, PAGE)
         pages[5] = page_of(500)
         store.write(pages[5], 5 * PAGE)
-        seen["reused"] = int(store.handle[5]) == freed
+        seen["reused"] = int(store.slots.handle[5]) == freed
         sync(tier)
 
     monkeypatch.setattr(DiskTier, "sync_written", meanwhile)
@@ -327,7 +327,7 @@ def test_demotion_writes_outside_the_lock_and_skips_blobs_freed_meanwhile(tmp_pa
     moved = store.demote_cold()
     assert seen["locked"] is False
     assert moved == 10  # 12 copied, slot 3's and slot 5's old blobs gone meanwhile
-    assert store.blobs.tier[int(store.handle[5])] == POOL  # the new blob stays in the pool
+    assert store.blobs.tier[int(store.slots.handle[5])] == POOL  # the new blob stays in the pool
     store.check()  # the two orphan extents were freed (disk books agree)
     assert store.read(3 * PAGE, PAGE) == bytes(PAGE)
     for slot, page in pages.items():
@@ -346,7 +346,7 @@ def test_a_disk_read_waits_without_the_lock_and_a_blob_freed_meanwhile_is_read_a
     store.write(old, 0)
     store.write(other, PAGE)
     demote_all(store)
-    assert store.blobs.tier[int(store.handle[0])] == DISK
+    assert store.blobs.tier[int(store.slots.handle[0])] == DISK
     real_read = store.disk.read
     raced = []
 

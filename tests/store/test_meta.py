@@ -50,7 +50,7 @@ def test_same_filled_words_beyond_the_table_are_stored_as_blobs(monkeypatch):
     # the same word in many slots takes one id
     store.trim(20 * PAGE, len(data))
     store.write(same_page(1 << 40) * 64, 100 * PAGE)
-    assert int(store.slots.words.refs[int(store.handle[100])]) == 64
+    assert int(store.slots.words.refs[int(store.slots.handle[100])]) == 64
     store.check()
 
 
@@ -66,7 +66,7 @@ def test_pingpong_is_the_slots_own_read_not_its_frames():
     clock = Clock()
     store = PageStore(1 << 20, frame_pages=16, clock=clock)
     store.write(b"".join(text_page(n) for n in range(16)), 0)
-    assert store.blobs.pages[int(store.handle[0])] == 16
+    assert store.blobs.pages[int(store.slots.handle[0])] == 16
     store.read(0, PAGE)  # slot 0 read: its frame was read too
     clock.now += 0.2
     store.write(text_page(100), 5 * PAGE)  # another page of that frame: not ping-pong

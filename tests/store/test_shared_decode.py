@@ -94,7 +94,7 @@ def test_a_corrupt_frame_fails_every_waiting_reader_and_is_counted_once(tmp_path
     pages = frame_pages(2)
     store.write(b"".join(pages), 0)
     store.write(b"".join(frame_pages(3)), FRAME * PAGE)  # a second, intact frame
-    blob = int(store.handle[0])
+    blob = int(store.slots.handle[0])
     blobs, pool = store.blobs, store.pool
     arena, cell, length = int(blobs.arena[blob]), int(blobs.cell[blob]), int(blobs.length[blob])
     data = bytearray(pool.get(arena, cell, length))

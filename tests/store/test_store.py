@@ -266,7 +266,7 @@ def test_the_slot_table_costs_only_the_chunks_in_use():
     assert stats["meta"]["slot_table"] == (len(touched) * CHUNK_SLOTS * 8
                                            + store.slots.words.nbytes())
     # a chunk's handles fill half a page; these chunks all lie on different pages
-    assert array_resident_bytes(store.handle) == len({c // 2 for c in touched}) * PAGE
+    assert array_resident_bytes(store.slots.handle) == len({c // 2 for c in touched}) * PAGE
     assert stats["pages"] == 1
     assert store.read(123456 * PAGE, PAGE) == page_content("text", 1)
     assert store.read(5000 * PAGE, 2 * PAGE) == bytes(2 * PAGE)

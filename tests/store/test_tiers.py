@@ -58,8 +58,8 @@ def make_store(tmp_path, clock, **kw) -> PageStore:
 
 
 def tier_of(store: PageStore, slot: int) -> int:
-    assert store.kind[slot] == BLOB
-    return int(store.blobs.tier[int(store.handle[slot])])
+    assert store.slots.kind[slot] == BLOB
+    return int(store.blobs.tier[int(store.slots.handle[slot])])
 
 
 def test_demotion_takes_the_oldest_first_and_stops_at_the_hysteresis_target(tmp_path):
@@ -154,7 +154,7 @@ def test_hot_cache_and_pingpong(tmp_path):
     assert store.read(0, PAGE) == text_page(1)
     clock.advance(0.5)
     assert store.read(0, PAGE) == text_page(1)  # second read within 1 s: hot
-    assert int(store.handle[0]) in store.hot
+    assert int(store.slots.handle[0]) in store.hot
     assert store.read(0, PAGE) == text_page(1)
     stats = store.stats()
     assert stats["hot_hits"] >= 1
@@ -312,9 +312,9 @@ def test_rebase_keeps_order(tmp_path):
     store.write(text_page(1), 0)
     clock.advance(10)
     store.write(text_page(2), PAGE)
-    before = store.blobs.atime[[int(store.handle[0]), int(store.handle[1])]].astype(np.int64)
+    before = store.blobs.atime[[int(store.slots.handle[0]), int(store.slots.handle[1])]].astype(np.int64)
     store._rebase(int(before[0]) - 1)
-    after = store.blobs.atime[[int(store.handle[0]), int(store.handle[1])]].astype(np.int64)
+    after = store.blobs.atime[[int(store.slots.handle[0]), int(store.slots.handle[1])]].astype(np.int64)
     assert after[1] - after[0] == before[1] - before[0]
     assert store.now() >= after[1]
 
