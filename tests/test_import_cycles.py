@@ -16,10 +16,6 @@ ROOT = importgraph.ROOT
 # cycle (the test fails when one is gone, so that the entry goes too); nothing may be added
 # here without such an issue.
 KNOWN = {
-    # issue 30 item 2: Tiers and accounting.stats take the whole PageStore (TYPE_CHECKING
-    # imports back into pagestore), and the recompressor is reached through tiering
-    frozenset({"agentzip_blk.store.accounting", "agentzip_blk.store.pagestore",
-               "agentzip_blk.store.recompress", "agentzip_blk.store.tiering"}),
     # issue 30 item 7: tools/ becomes the bench package; bench_frontdoor and bench_latency
     # import each other's entry points
     frozenset({"bench_frontdoor", "bench_latency"}),

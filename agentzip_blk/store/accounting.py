@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -22,10 +22,54 @@ from .slots import BLOB, EMPTY
 from .tables import array_resident_bytes
 
 if TYPE_CHECKING:
-    from .pagestore import PageStore
+    from collections.abc import Callable
+
+    from ..codec.codecs import Codec, CodecSet
+    from ..codec.dictionaries import StoreDictionaries
+    from .blobs import BlobTable
+    from .cache import HotCache
+    from .dedup import DedupIndex
+    from .disk import DiskTier
+    from .objects import Counters, Objects
+    from .placement import Placer
+    from .pool import Pool
+    from .recompress import Recompressor
+    from .slots import SlotTable
+    from .tiering import Tiers
 
 
-def meta_parts(store: PageStore) -> dict[str, int]:
+class AccountedStore(Protocol):
+    """What the accounting reads of the store (store.PageStore is one): its tables and
+    parts, its clock and the counters of its request paths. A protocol, so that this module
+    does not import pagestore, which imports it."""
+
+    size: int
+    nslots: int
+    page_size: int
+    frame_pages: int
+    slots: SlotTable
+    blobs: BlobTable
+    index: DedupIndex
+    pool: Pool
+    disk: DiskTier | None
+    objects: Objects
+    placer: Placer
+    codecs: CodecSet
+    frame_codec: Codec | None
+    warm_codec: Codec | None
+    dicts: StoreDictionaries
+    hot: HotCache
+    counters: Counters
+    tiers: Tiers
+    recompressor: Recompressor
+    cold_ticks: int
+    warm_ticks: int
+    outside: Callable[[], dict[str, int]]
+
+    def now(self) -> int: ...
+
+
+def meta_parts(store: AccountedStore) -> dict[str, int]:
     """Everything held in memory besides pool arenas, by part. The dedup index counts its
     resident pages (mincore): it is sized for the pages stored, not the device."""
 
@@ -44,7 +88,7 @@ def meta_parts(store: PageStore) -> dict[str, int]:
     }
 
 
-def stored_mem(store: PageStore, meta_bytes: int) -> int:
+def stored_mem(store: AccountedStore, meta_bytes: int) -> int:
     """Pool pages touched, metadata, and the decoded copies held (ours, and the native
     path's frame cache: PageStore.outside)."""
     outside = store.outside().get("frame_cache_bytes", 0)
@@ -72,7 +116,7 @@ class _Frozen:
     hot: np.ndarray  # blobs in the hot cache
 
 
-def _freeze(store: PageStore) -> _Frozen:
+def _freeze(store: AccountedStore) -> _Frozen:
     slots, blobs = store.slots, store.blobs
     held = slots.blob_slots()
     rows = blobs.rows
@@ -86,7 +130,7 @@ def _freeze(store: PageStore) -> _Frozen:
         hot=np.array(store.hot.keys(), dtype=np.int64))
 
 
-def stats(store: PageStore, lock) -> dict:
+def stats(store: AccountedStore, lock) -> dict:
     """Every figure of the `stats` verb: what must agree is read under `lock` (the store's),
     the counting is done after it."""
     page = store.page_size
@@ -181,7 +225,7 @@ def stats(store: PageStore, lock) -> dict:
     }
 
 
-def _counters(store: PageStore) -> dict:
+def _counters(store: AccountedStore) -> dict:
     """The request counters under their stats names, with the requests another request path
     served from the same tables (the native path: PageStore.outside)."""
     counters = {STATS_NAMES.get(k, k): v for k, v in asdict(store.counters).items()}
@@ -203,7 +247,7 @@ OUTSIDE_COUNTERS = ("reads", "bytes_read", "writes", "bytes_written", "dedup_hit
                     "unit_fallbacks")
 
 
-def _forms(store: PageStore, f: _Frozen, same_pages: int) -> dict:
+def _forms(store: AccountedStore, f: _Frozen, same_pages: int) -> dict:
     """Pages and stored bytes of each form (docs/JSON.md), from the slots holding blobs:
     warm (alone, fast codec) and cold (dense) in the pool, on disk, same-filled; they add
     up to `pages`. Stored bytes are the blobs' compressed lengths (a shared blob once)."""
@@ -248,7 +292,7 @@ def _pages_held(f: _Frozen) -> dict:
             "dead": stored - len(distinct)}
 
 
-def _temperature(store: PageStore, f: _Frozen) -> dict:
+def _temperature(store: AccountedStore, f: _Frozen) -> dict:
     """Pages by temperature: hot (in the hot cache), warm (accessed within
     warm_threshold_ms), cold (untouched for cold_grace_period), idle (in between)."""
     if not len(f.slot_blobs):
@@ -266,7 +310,7 @@ def _temperature(store: PageStore, f: _Frozen) -> dict:
     }
 
 
-def slot_sizes(store: PageStore, slots) -> dict:
+def slot_sizes(store: AccountedStore, slots) -> dict:
     """What the given slots cost, for per-cgroup accounting: per slot the stored bytes
     (a shared blob's length divided by its refcount; 0 for same-filled and empty slots),
     whether it holds data, and its tier. Slots outside the device are reported as empty."""
@@ -287,7 +331,7 @@ def slot_sizes(store: PageStore, slots) -> dict:
     }
 
 
-def check(store: PageStore) -> None:
+def check(store: AccountedStore) -> None:
     """Cross-check every invariant of the books; raises AssertionError."""
     blobs, slots, pool = store.blobs, store.slots, store.pool
     held = slots.kind == BLOB

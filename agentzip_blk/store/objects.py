@@ -111,9 +111,9 @@ class Deferred:
 class Objects:
     """The blobs of one store and every book that refers to them."""
 
-    def __init__(self, blobs: BlobTable, index: DedupIndex, pool: Pool, disk: DiskTier | None,
-                 codecs_: CodecSet, hot: HotCache, frames: HotCache, counters: Counters,
-                 page_size: int) -> None:
+    def __init__(self, *, blobs: BlobTable, index: DedupIndex, pool: Pool,
+                 disk: DiskTier | None, codecs_: CodecSet, hot: HotCache, frames: HotCache,
+                 counters: Counters, page_size: int) -> None:
         self.blobs = blobs
         self.index = index
         self.pool = pool

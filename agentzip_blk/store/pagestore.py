@@ -147,8 +147,9 @@ class PageStore:
         self.counters = Counters()
         self.hot = HotCache(tiering.hot_cache_size)
         frames = HotCache(_FRAME_CACHE_FRAMES * frame_pages * page_size if frame_pages > 1 else 0)
-        self.objects = Objects(self.blobs, self.index, self.pool, self.disk, self.codecs,
-                               self.hot, frames, self.counters, page_size)
+        self.objects = Objects(blobs=self.blobs, index=self.index, pool=self.pool,
+                               disk=self.disk, codecs_=self.codecs, hot=self.hot,
+                               frames=frames, counters=self.counters, page_size=page_size)
         self._zero_page = bytes(page_size)
         # The one lock of the store's books; the native request path (datapath.native)
         # passes its own, which its threads take without the GIL.
@@ -168,8 +169,10 @@ class PageStore:
         self.warm_ticks = _ticks(tiering.warm_threshold_ms / 1000)
         self.cold_ticks = _ticks(tiering.cold_grace_period)
         self.warm_codec = make_warm_codec(warm_algorithm, page_size)
-        self.placer = Placer(self.objects, self.codecs, self.frame_codec, self.dicts,
-                             self.counters, frame_pages, self.hot_ticks, dedup, hasher,
+        self.placer = Placer(objects=self.objects, codecs=self.codecs,
+                             frame_codec=self.frame_codec, dicts=self.dicts,
+                             counters=self.counters, frame_pages=frame_pages,
+                             hot_ticks=self.hot_ticks, dedup=dedup, hasher=hasher,
                              warm_codec=self.warm_codec)
         self.recompressor = Recompressor(self, tiering.recompress_cpu)
         # requests started and finished (next() on a count is atomic under the GIL): the

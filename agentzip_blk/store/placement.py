@@ -97,7 +97,7 @@ class _Chooser:
 
 
 class Placer:
-    def __init__(self, objects: Objects, codecs: CodecSet, frame_codec: Codec | None,
+    def __init__(self, *, objects: Objects, codecs: CodecSet, frame_codec: Codec | None,
                  dicts: StoreDictionaries, counters: Counters, frame_pages: int,
                  hot_ticks: int, dedup: bool = True, hasher: HashFn | None = None,
                  warm_codec: Codec | None = None) -> None:

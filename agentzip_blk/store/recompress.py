@@ -34,7 +34,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -45,7 +45,38 @@ from .integrity import Corrupt
 from .slots import BLOB
 
 if TYPE_CHECKING:
-    from .pagestore import PageStore
+    from typing import ContextManager
+
+    from ..codec.codecs import Codec
+    from ..codec.dictionaries import StoreDictionaries
+    from .blobs import BlobTable
+    from .objects import Counters, Objects
+    from .placement import Placer
+    from .pool import Pool
+    from .slots import SlotTable
+
+
+class RecompressedStore(Protocol):
+    """What the recompressor uses of the store (store.PageStore is one). A protocol, so
+    that this module does not import pagestore, which imports it."""
+
+    page_size: int
+    frame_pages: int
+    slots: SlotTable
+    blobs: BlobTable
+    pool: Pool
+    objects: Objects
+    placer: Placer
+    frame_codec: Codec | None
+    warm_codec: Codec | None
+    dicts: StoreDictionaries
+    counters: Counters
+    lock: ContextManager
+    cold_ticks: int
+
+    def now(self) -> int: ...
+    def requests_in_flight(self) -> int: ...
+
 
 CHUNK_PAGES = 256  # warm blobs per pass: ~15-25 ms of zstd, one short lock hold each side
 QUEUE_PAGES = 16 * CHUNK_PAGES  # under pool pressure: the oldest this many per scan
@@ -68,7 +99,7 @@ class _Picked:
 
 
 class Recompressor:
-    def __init__(self, store: PageStore, cpu_budget: float,
+    def __init__(self, store: RecompressedStore, cpu_budget: float,
                  cpu_clock: Callable[[], float] = time.thread_time,
                  wall_clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -31,7 +31,45 @@ from .pool import PoolFull
 from .slots import BLOB
 
 if TYPE_CHECKING:
-    from .pagestore import PageStore
+    from typing import ContextManager
+
+    from ..codec.codecs import Codec
+    from .dedup import DedupIndex
+    from .disk import DiskTier
+    from .doorbell import Doorbell
+    from .objects import Counters, Objects
+    from .placement import Placer
+    from .pool import Pool
+    from .recompress import Recompressor
+    from .slots import SlotTable
+
+
+class TieredStore(Protocol):
+    """What tiering and the maintainer use of the store (store.PageStore is one). A
+    protocol, so that this module does not import pagestore, which imports it."""
+
+    page_size: int
+    frame_pages: int
+    tiering: Tiering
+    slots: SlotTable
+    index: DedupIndex
+    pool: Pool
+    disk: DiskTier | None
+    objects: Objects
+    placer: Placer
+    frame_codec: Codec | None
+    counters: Counters
+    recompressor: Recompressor
+    lock: ContextManager
+    doorbell: Doorbell
+    cold_ticks: int
+    warm_ticks: int
+    pressure: Callable[[], bool]
+
+    def now(self) -> int: ...
+    def wake(self) -> None: ...
+    def maintain(self) -> dict: ...
+
 
 HYSTERESIS_PERCENT = 5  # demotion stops this many points below reclaim_threshold
 FRAGMENTATION_TRIGGER = 0.20  # compact when this share of arena bytes holds no live cell
@@ -108,7 +146,7 @@ class Tiering:
 class Tiers:
     """The moves between tiers of one store; methods other than `promote` take its lock."""
 
-    def __init__(self, store: PageStore) -> None:
+    def __init__(self, store: TieredStore) -> None:
         self.store = store
         self.objects = store.objects
         self.pool = store.pool
@@ -566,7 +604,7 @@ class Tiers:
 
 
 class Maintainer:
-    def __init__(self, store: PageStore, interval: float = 1.0, log=None) -> None:
+    def __init__(self, store: TieredStore, interval: float = 1.0, log=None) -> None:
         self.store = store
         self.interval = interval
         self.log = log or (lambda msg: None)
