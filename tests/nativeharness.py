@@ -33,6 +33,18 @@ def native_store(size: int = 16 << 20, **kw) -> PageStore:
     return PageStore(size, lock=lock, tiering=tiering, **kw)
 
 
+def differing_pages(got: bytes, want: bytes, page: int = 4096) -> list[int]:
+    """The pages (by index) where ``got`` and ``want`` differ, and "length" when their
+    lengths do: a byte-for-byte check whose failure names the pages instead of printing
+    megabytes of both sides."""
+    out: list = [] if len(got) == len(want) else ["length"]
+    mv_got, mv_want = memoryview(got), memoryview(want)
+    for k in range(0, min(len(got), len(want)), page):
+        if mv_got[k:k + page] != mv_want[k:k + page]:
+            out.append(k // page)
+    return out
+
+
 def read_request(unique: int, offset: int, size: int, nodeid: int = FILE_ID) -> bytes:
     body = RW_IN.pack(0, offset, size, 0, 0, 0, 0)
     return IN_HEADER.pack(IN_HEADER.size + len(body), READ, unique, nodeid, 0, 0, 0, 0, 0) + body

@@ -35,7 +35,9 @@ from agentzip_blk.datapath import nativeloop
 if not nativeloop.__file__.startswith(work):
     sys.exit(f"asan-tests.sh: imported {nativeloop.__file__}, not the ASan build")
 import pytest
-sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "--rootdir", work, "-c", config,
+# -ra: a failure's test id in the last lines of the log (all CI keeps)
+sys.exit(pytest.main(["-q", "-ra", "-p", "no:cacheprovider", "--rootdir", work, "-c", config,
                       "tests/datapath/test_native.py", "tests/datapath/test_native_writes.py",
+                      "tests/datapath/test_native_pack.py",
                       *args]))
 PY
