@@ -47,7 +47,7 @@ from agentzip_blk.cgroups.fs import CgroupError, MemoryCgroup
 from agentzip_blk.config import parse_config
 from agentzip_blk.demo import backends, common, driver, workload
 from bench.harness import md as benchmd
-from bench.harness.host import kill_all
+from bench.harness.host import joiner, kill_all
 from bench.harness.lock import swap_lock
 from bench.harness.results import REPO
 from bench.harness.workloads import WorkloadSpec, workloads
@@ -267,14 +267,8 @@ def pagemap_probe(o: argparse.Namespace, prog: driver.Progress) -> dict:
         cg = MemoryCgroup.create(f"agentzip-stale-probe-{os.getpid()}")
         cg.allow_swap()
         cg.set_swappiness(100)
-        procs_file = cg.file("cgroup.procs")
-
-        def join():
-            with open(procs_file, "w") as f:
-                f.write(str(os.getpid()))
-
         proc = subprocess.Popen([o.python, "-c", HOLDER, mnt, str(mib)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True, preexec_fn=join)
+                                stdout=subprocess.PIPE, text=True, preexec_fn=joiner(cg))
         if proc.stdout.readline().split()[:1] != ["READY"]:
             raise common.DemoError("probe holder did not start")
         usage = cg.usage()
