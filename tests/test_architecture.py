@@ -133,6 +133,20 @@ def _lint_a_copy(tmp_path: Path, probe: str, text: str) -> subprocess.CompletedP
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
+def test_every_bench_is_in_the_contract():
+    """A bench left out of the benchmarks' layers would be free to import any other."""
+    import configparser
+
+    sys.path.append(str(ROOT))
+    from bench.cli import BENCHES
+
+    ini = configparser.ConfigParser()
+    ini.read(ROOT / ".importlinter")
+    layers = ini["importlinter:contract:benchmarks"]["layers"].split("\n")
+    independent = next(layer for layer in layers if "bench.swap |" in layer or "| bench.swap" in layer)
+    assert sorted(m.strip() for m in independent.split("|")) == sorted(f"bench.{n}" for n in BENCHES)
+
+
 def test_the_contract_catches_an_upward_import(tmp_path):
     """The contract can fail: in a copy of the package, a store module importing the CLI."""
     res = _lint_a_copy(tmp_path, "agentzip_blk/store/_probe_upward.py",
