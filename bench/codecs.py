@@ -39,7 +39,8 @@ from agentzip_blk.codec.dictionaries.selector import Selector
 from agentzip_blk.codec.dictionaries.trainer import HostTrainer
 from agentzip_blk.codec.estimate import measure
 from bench.harness.md import write_section
-from bench.harness.results import REPO as ROOT, write_json
+from bench.harness.results import REPO as ROOT
+from bench.harness.results import write_json
 
 PAGE = 4096
 WORKLOAD_ORDER = ["Python data analysis", "tool calling", "headless browser", "Node.js text"]

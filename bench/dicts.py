@@ -49,7 +49,8 @@ import numpy as np
 from agentzip_blk.store import PageStore
 from agentzip_blk.store.cache import HotCache
 from bench.harness.md import write_section
-from bench.harness.results import REPO as ROOT, write_json
+from bench.harness.results import REPO as ROOT
+from bench.harness.results import write_json
 
 PAGE = 4096
 GiB = 1 << 30

@@ -235,10 +235,10 @@ def chain_rows(reads: int, unit_pages: int = 16) -> list[tuple[str, dict]]:
     front door in turn: NBD (libnbd), nbdfuse's file and loop over it, the server's own FUSE
     file and loop over it. No swap is attached."""
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+    from pathlib import Path
+
     from bench.harness import blockio as bl
     from nbdkit_server import start_server
-
-    from pathlib import Path
 
     tmp = Path(tempfile.mkdtemp(prefix="azchain-"))
     cfg = tmp / "config.yaml"

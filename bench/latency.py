@@ -37,8 +37,17 @@ from agentzip_blk.config import Config
 from agentzip_blk.host import attach
 from agentzip_blk.store import PageStore
 from bench.harness import zram
-from bench.harness.blockio import (DATA, PAGE, READS, agent_pages, direct_reader, nbd_reader,
-                                   offsets, time_calls, write_direct)
+from bench.harness.blockio import (
+    DATA,
+    PAGE,
+    READS,
+    agent_pages,
+    direct_reader,
+    nbd_reader,
+    offsets,
+    time_calls,
+    write_direct,
+)
 from bench.harness.floor import build_floor, wait_for_file
 from bench.harness.md import write_section
 from bench.harness.results import REPO, write_json

@@ -196,9 +196,9 @@ class Workload:
 
 def run(args) -> dict:
     sys.path.insert(0, REPO)
-    from agentzip_blk.datapath import control
     from agentzip_blk.cgroups.fs import LimitBusy, MemoryCgroup
     from agentzip_blk.config import parse_config
+    from agentzip_blk.datapath import control
 
     tmp = tempfile.mkdtemp(prefix="azload-", dir="/tmp")
     run_dir = os.path.join(tmp, "run")

@@ -51,7 +51,8 @@ from agentzip_blk import procfs  # noqa: E402
 from agentzip_blk.host import attach  # noqa: E402
 from bench.harness.host import joiner  # noqa: E402
 from bench.harness.md import write_section  # noqa: E402
-from bench.harness.results import REPO as ROOT, write_json  # noqa: E402
+from bench.harness.results import REPO as ROOT  # noqa: E402
+from bench.harness.results import write_json  # noqa: E402
 from bench.harness.workloads import module  # noqa: E402
 
 BEGIN, END = "<!-- bench_tuner:begin -->", "<!-- bench_tuner:end -->"
@@ -153,9 +154,9 @@ class Child:
 
 
 def one_run(kind: str, a, cfg_path: str, tmp: str) -> dict:
-    from agentzip_blk.datapath import control
     from agentzip_blk.cgroups.fs import MemoryCgroup
     from agentzip_blk.config import load_config
+    from agentzip_blk.datapath import control
 
     name = f"agent-sandbox-bench-{os.getpid()}-{kind}.slice"
     run_dir = os.path.join(tmp, f"run-{kind}")

@@ -9,7 +9,6 @@ import sys
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.harness import lock as swaplock  # noqa: E402  (the lock's one implementation)
 
-
 # Swap areas are host-wide: two test runs that attach devices at the same time share them
 # (the kernel spreads every cgroup's pages over all areas of the top priority), so one run's
 # kill or squeeze lands on the other's workloads. Every test that may attach swap holds this

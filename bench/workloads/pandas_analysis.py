@@ -25,7 +25,6 @@ import time
 
 import numpy as np
 import pandas as pd
-
 import protocol  # a sibling module: bench/workloads is on sys.path when run as a script
 from pagewalk import rss_bytes
 
