@@ -6,13 +6,13 @@ import fcntl
 import os
 import sys
 
-sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-import swaplock  # noqa: E402  (tools/swaplock.py: the lock's one implementation)
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.harness import lock as swaplock  # noqa: E402  (the lock's one implementation)
 
 # Swap areas are host-wide: two test runs that attach devices at the same time share them
 # (the kernel spreads every cgroup's pages over all areas of the top priority), so one run's
 # kill or squeeze lands on the other's workloads. Every test that may attach swap holds this
-# lock, shared with the benchmark tools (tools/ take it too), until the session ends.
+# lock, shared with the benchmarks (bench/ takes it too), until the session ends.
 SWAP_LOCK_PATH = swaplock.SWAP_LOCK  # the lock docs/CONTRIBUTING.md names
 _SWAP_FILES = ("test_device.py", "test_doctor.py", "test_metrics_swap.py", "test_scoped_swap.py",
                "test_swap.py", "test_workloads.py", "test_cgstats.py", "test_protection.py",

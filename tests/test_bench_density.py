@@ -1,4 +1,4 @@
-"""tools/bench_density.py --quick: the density benchmark end to end, as a smoke test.
+"""`python -m bench density --quick`: the density benchmark end to end, as a smoke test.
 
 Two N values, short agent loops, every configuration (no limit, no swap, zram lz4, agentzip-blk
 at its defaults, agentzip-blk + tuner), each started the way an operator would. Asserts that the
@@ -22,7 +22,7 @@ import tempfile
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOOL = os.path.join(ROOT, "tools", "bench_density.py")
+TOOL = ["-m", "bench", "density"]  # run from ROOT
 CONFIGS = ("noswap", "zram", "agentzip", "agentzip-tuned")
 
 pytestmark = [
@@ -98,7 +98,7 @@ def _clean(tmp: str, swaps_before: set) -> None:
 
 def test_quick_density_run_verifies_every_round(workdir):
     out = workdir / "density.json"
-    p = subprocess.run([sys.executable, TOOL, "--quick", "--workdir", str(workdir), "--json", str(out)],
+    p = subprocess.run([sys.executable, *TOOL, "--quick", "--workdir", str(workdir), "--json", str(out)],
                        capture_output=True, text=True, timeout=420, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
     doc = json.loads(out.read_text())

@@ -15,11 +15,7 @@ ROOT = importgraph.ROOT
 # Cycles that exist today and have an issue that removes them. Each entry must still be a
 # cycle (the test fails when one is gone, so that the entry goes too); nothing may be added
 # here without such an issue.
-KNOWN = {
-    # issue 30 item 7: tools/ becomes the bench package; bench_frontdoor and bench_latency
-    # import each other's entry points
-    frozenset({"bench_frontdoor", "bench_latency"}),
-}
+KNOWN: set[frozenset[str]] = set()
 
 
 def _bench_modules() -> dict[str, Path]:

@@ -23,7 +23,7 @@ LD_PRELOAD=$(cc -print-file-name=libasan.so)
 # CPython's own allocations are not ours to judge: leaks off, everything else fatal
 export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:halt_on_error=1
 export PYTHONPATH="$WORK"
-cp -r "$ROOT/tests" "$ROOT/tools" "$WORK/"
+cp -r "$ROOT/tests" "$ROOT/tools" "$ROOT/bench" "$WORK/"  # tests/conftest.py takes the swap lock from bench/
 cd "$WORK"
 # The venv's editable install maps agentzip_blk to the checkout ahead of PYTHONPATH: drop
 # its finder, so that the copy (with the ASan build) is what the tests import.

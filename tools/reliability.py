@@ -26,8 +26,8 @@ import xml.etree.ElementTree as ET
 from collections import defaultdict
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "tools"))
-from swaplock import swap_lock  # noqa: E402
+sys.path.insert(0, REPO)
+from bench.harness.lock import swap_lock  # noqa: E402
 
 
 def _fmt_bytes(n: int) -> str:

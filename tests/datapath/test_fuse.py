@@ -497,12 +497,12 @@ def test_cli_up_swap_down_in_separate_processes_with_fuse(tmp_path, datapath, wa
 @pytest.mark.skipif(not os.path.exists("/usr/include/fuse3/fuse_lowlevel.h"),
                     reason="libfuse3-dev missing")
 def test_c_floor_serves_what_it_is_given(tmp_path, mnt):
-    """tools/fusefloor.c (the benchmarks' floor) is a correct file server, or its figure
-    would mean nothing."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-    import bench_frontdoor
+    """bench/harness/fusefloor.c (the benchmarks' floor) is a correct file server, or its
+    figure would mean nothing."""
+    sys.path.append(str(Path(__file__).resolve().parents[2]))
+    from bench.harness.floor import build_floor
 
-    exe = bench_frontdoor.build_floor(str(tmp_path))
+    exe = build_floor(str(tmp_path))
     proc = subprocess.Popen([exe, mnt, str(MiB)], stdin=subprocess.DEVNULL)
     try:
         path = os.path.join(mnt, "device")

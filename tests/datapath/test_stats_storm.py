@@ -1,7 +1,7 @@
 """A scrape storm during traffic through the real nbdkit server (issue 16, item 6): 50
 concurrent `stats` requests, half of them the exporter's own fetch (cached snapshot), while
 a client writes and reads pages. Correctness only (the latency figures are in
-tools/bench_scrape.py): every request answers, every snapshot is consistent and no older than
+bench/scrape.py): every request answers, every snapshot is consistent and no older than
 asked, and every page reads back byte for byte."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""tools/bench_report.py on repeated runs (``tools/bench.py --repeat``): rounds are read from
+"""bench/swap_report.py on repeated runs (``python -m bench swap --repeat``): rounds are read from
 ``configs`` and ``repeats``, figures are mean ± sd over rounds, ratios to zram are paired round
 by round, targets are marked from the means, and the chart holds the default config and zram
 lz4 only. Built on a synthetic bench.json (the arithmetic; the real run is the benchmark)."""
@@ -12,10 +12,9 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tools", "workloads"))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.append(ROOT)
 
-import bench_report  # noqa: E402
+from bench import swap_report as bench_report  # noqa: E402
 
 MiB = 1 << 20
 
@@ -48,7 +47,7 @@ def doc_with_rounds():
                                                "mb_scale": 1.0},
             "configs": [{"name": "zram-lz4"}, {"name": "agentzip-default"}],
             "machine": {"kernel": "k", "nproc": 2, "mem_total": 1 << 30, "python": "3", "nbdkit": "n"},
-            "date": "today", "wall_s": 60, "command": "tools/bench.py --repeat 3", "dictionaries": True}
+            "date": "today", "wall_s": 60, "command": ".venv/bin/python -m bench swap --repeat 3", "dictionaries": True}
 
 
 def test_rounds_and_spread():

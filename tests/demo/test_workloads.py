@@ -1,4 +1,4 @@
-"""The benchmark workloads (tools/workloads): each runs small, speaks READY/CHECK/TOUCH/VERIFY,
+"""The benchmark workloads (bench/workloads): each runs small, speaks READY/CHECK/TOUCH/VERIFY,
 verifies its data, reports a corruption as VERIFY FAIL, and is deterministic from its seed.
 Plus the page walk behind TOUCH and the bench's report arithmetic. No swap is attached here.
 """
@@ -16,9 +16,9 @@ import time
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-WL = os.path.join(ROOT, "tools", "workloads")
+WL = os.path.join(ROOT, "bench", "workloads")
 sys.path.insert(0, WL)
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.append(ROOT)
 
 import pagewalk  # noqa: E402
 import protocol  # noqa: E402
@@ -213,12 +213,12 @@ def test_protocol_serve_check_touch_and_fail():
 
 
 # ---------------------------------------------------------------------------------------
-# the bench's arithmetic (tools/bench.py derive, tools/bench_report.py aggregate)
+# the bench's arithmetic (bench/swap.py derive, bench/swap_report.py aggregate)
 
 
 def _cycle(kind, before, sb_after, orig, stored, empty, rss0, rss1, out, check_wall, lat99):
-    import bench
-    cfg = bench.SwapConfig("x", kind, "lz4")
+    from bench import swap
+    cfg = swap.SwapConfig("x", kind, "lz4")
     c = {"config": {"kind": kind}, "swap_backed_before": before, "swap_backed_after": sb_after,
          "orig_mem": orig, "stored_mem": stored, "stored_mem_empty": empty,
          "server_rss_before": rss0, "server_rss_after": rss1, "swapped_out": out, "swapped_in": out,
@@ -226,12 +226,12 @@ def _cycle(kind, before, sb_after, orig, stored, empty, rss0, rss1, out, check_w
          "latency": {"n": 10, "p50_us": 10.0, "p99_us": lat99}, "verify": "ok"}
     base = {"check_wall_s": 2.0, "check_cpu_s": 1.0, "build_cpu_s": 10.0,
             "latency": {"n": 10, "p50_us": 1.0, "p99_us": 5.0}}
-    bench.derive(c, cfg, base)
+    swap.derive(c, cfg, base)
     return c, base
 
 
 def test_derive_and_aggregate():
-    import bench_report
+    from bench import swap_report as bench_report
     MiB = 1 << 20
     z, base = _cycle("zram", 400 * MiB, 40 * MiB, 360 * MiB, 120 * MiB, 0, 0, 0, 360 * MiB, 3.0, 105.0)
     a, _ = _cycle("agentzip", 400 * MiB, 40 * MiB, 360 * MiB, 100 * MiB, 10 * MiB, 50 * MiB, 170 * MiB,

@@ -39,13 +39,14 @@ sys.path.insert(0, HERE)
 from agentzip_blk.cgroups import procmem  # noqa: E402
 from pages import write_pages  # noqa: E402
 
-sys.path.insert(0, os.path.join(ROOT, "tools", "workloads"))
-from pagewalk import descendants  # noqa: E402
+from bench.harness.workloads import DIR as WORKLOADS_DIR, module  # noqa: E402
+
+descendants = module("pagewalk").descendants
 
 PROG = os.path.join(HERE, "programs")
 VENV_PY = os.path.join(ROOT, ".venv", "bin", "python")
 PY312 = os.path.expanduser("~/.pyenv/versions/3.12.1/bin/python3.12")
-AGENT_JSON = os.path.join(ROOT, "tools", "workloads", "agent_json.py")
+AGENT_JSON = os.path.join(WORKLOADS_DIR, "agent_json.py")
 
 
 def runs(mb: float) -> list[dict]:
@@ -74,7 +75,7 @@ def runs(mb: float) -> list[dict]:
              workload="headless browser"),
     ]
     # Issue 6's benchmark workloads, when present: more held-out programs of the same kinds.
-    workloads = os.path.join(ROOT, "tools", "workloads")
+    workloads = WORKLOADS_DIR
     if os.path.exists(os.path.join(workloads, "pandas_analysis.py")):
         out.append(dict(runtime="python311", role="heldout", program="pandas_analysis", seed=7,
                         workload="Python data analysis",

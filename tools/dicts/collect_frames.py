@@ -3,7 +3,7 @@
 
 tools/dicts/collect.py samples pages uniformly at random, which is right for one-page
 compression but destroys what a 16-page frame sees: neighbouring pages of one heap. This
-collector runs each of tools/bench.py's workloads (A pandas, B JSON tool calling, C headless
+collector runs each of bench/swap.py's workloads (A pandas, B JSON tool calling, C headless
 Chromium, D Node.js text) twice, seed 8 (the "earlier run" a host's `dictionary: auto`
 learns from) and seed 7 (the held-out run), waits for READY, and reads *every* resident
 private anonymous page of the process tree in address order (per process, processes in pid
@@ -32,13 +32,12 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tools", "workloads"))
 
 from agentzip_blk.cgroups import procmem  # noqa: E402
-from pagewalk import descendants  # noqa: E402
+from bench.harness.workloads import DIR as W, module  # noqa: E402
 from collect import filter_pages  # noqa: E402  (same directory: this script's sys.path[0])
 
-W = os.path.join(ROOT, "tools", "workloads")
+descendants = module("pagewalk").descendants
 PY = sys.executable
 WORKLOADS = {
     "A": ("Python data analysis", [PY, f"{W}/pandas_analysis.py"]),
