@@ -17,13 +17,13 @@ import sys
 from .. import __version__
 from ..errors import ConfigError, DeviceError, SetupError
 from . import (config_show, demo, dicts, doctor, down, estimate, helptext, install_units, metrics,
-               node_agent, progress, scope, serve, stats, status, tune, up, webhook)
+               node_agent, progress, restart, scope, serve, stats, status, tune, up, webhook)
 from ._common import EXIT_NOT_ATTACHED, EXIT_RUNTIME, EXIT_SETUP, PROG, CliError, error
 
 __all__ = ["main", "build_parser", "PROG", "EXIT_NOT_ATTACHED", "CliError"]
 
 # the order of `agentzip-blk --help`
-COMMANDS = (serve, up, down, status, stats, demo, dicts, estimate, scope, config_show, tune, doctor,
+COMMANDS = (serve, up, down, restart, status, stats, demo, dicts, estimate, scope, config_show, tune, doctor,
             metrics, install_units, webhook, node_agent)
 
 
