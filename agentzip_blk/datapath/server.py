@@ -211,9 +211,9 @@ class Server:
             if len(fds) < 1:
                 raise handover.HandoverError("an offer without the FUSE descriptor")
             exported = Exported(header["store"], fds[1:])
+            fds = fds[:1]  # adopt owns the store's descriptors, and closes them on failure
             self.store = PageStore.adopt(self.size, self.config, exported,
                                          lock=native.make_lock(self.datapath))
-            fds = fds[:1]  # the store's are the store's now
             self.store.check()
             self.restarts = int(header.get("restarts", 0)) + 1
             self.first_started = float(header.get("first_started", self.started))
@@ -405,13 +405,12 @@ class Server:
         self.maintainer.stop()
         exported = None
         try:
-            with self.store.lock:  # no control verb is inside the store meanwhile
-                exported = self.store.export()
-                header = {"store": exported.header, "restarts": self.restarts,
-                          "first_started": self.first_started,
-                          "guard_device": self.guard.device if self.guard else None,
-                          "fuse_connection": self.fuse.connection}
-                giver.offer(handover.Offer(header, [self.fuse.descriptor, *exported.fds]))
+            exported = self.store.export()  # under the store lock: no verb is inside it
+            header = {"store": exported.header, "restarts": self.restarts,
+                      "first_started": self.first_started,
+                      "guard_device": self.guard.device if self.guard else None,
+                      "fuse_connection": self.fuse.connection}
+            giver.offer(handover.Offer(header, [self.fuse.descriptor, *exported.fds]))
             giver.verdict()
         except BaseException as exc:
             giver.close()
@@ -422,7 +421,7 @@ class Server:
             raise ValueError(f"handover failed, the old server serves on: {exc}") from None
         finally:
             if exported is not None:
-                for fd in exported.fds:
+                for fd in exported.fds:  # duplicates: the store keeps its own
                     os.close(fd)
         giver.go()  # from here on the new server serves: never resume
         giver.close()
