@@ -51,15 +51,15 @@ if TYPE_CHECKING:
 FORMAT = 1
 # Config keys a handover cannot change: they shape the books (the slot table, the frames
 # already stored, the pool's classes and span), or name what the books refer to (the tier
-# file, the dictionaries blobs were compressed with, the dedup index's presence). Any other
-# key is taken from the new config (levels, thresholds, caps that still hold what is there,
-# recompress_cpu, hot cache size, warm_algorithm, algorithm: every codec id stays readable).
+# file, the dedup index's presence). Any other key is taken from the new config (levels,
+# thresholds, caps that still hold what is there, recompress_cpu, hot cache size,
+# warm_algorithm, algorithm: every codec id stays readable; compression.dictionary: the
+# dictionaries blobs use are kept for reading, the new setting's are the candidates).
 LAYOUT_KEYS: tuple[str, ...] = (
     "device.size",
     "compression.page_size",
     "compression.frame_pages",
     "compression.dedup",
-    "compression.dictionary",
     "pool.swap_out_path",
 )
 POOL_FD, TABLES_FD, DISK_FD = 0, 1, 2
@@ -105,16 +105,17 @@ def refused(header: dict, config, size: int) -> list[str]:
 
 def _store_layout(store: PageStore) -> dict[str, Any]:
     """What the store was built with, as the config keys name it."""
-    setting = store.dicts.setting
     return {
         "device.size": store.size,
         "compression.page_size": store.page_size,
         "compression.frame_pages": store.frame_pages,
         "compression.dedup": "on" if store.placer.dedup else "off",
-        "compression.dictionary": list(setting) if isinstance(setting, (list, tuple))
-        else setting,
         "pool.swap_out_path": store.tiering.swap_out_path,
     }
+
+
+def _setting(setting: str | list[str]) -> str | list[str]:
+    return list(setting) if isinstance(setting, (list, tuple)) else setting
 
 
 def _internal_layout(store: PageStore) -> dict[str, Any]:
@@ -207,6 +208,7 @@ def _snapshot(store: PageStore, hasher: PageHasher) -> tuple[dict, dict[str, np.
                  "ids": int(pool.state[IDS])},
         "disk": disk,
         "dictionaries": {
+            "setting": _setting(store.dicts.setting),
             "entries": dictionaries,
             "candidates": [e.id for e in registry.candidates],
             "frame_candidates": [e.id for e in registry.frame_candidates],
@@ -365,10 +367,13 @@ def _restore_books(store: PageStore, header: dict, arrays: dict[str, np.ndarray]
 def _restore_dictionaries(store: PageStore, saved: dict, arrays: dict[str, np.ndarray]) -> None:
     """The registry as it was, content included: blobs name their dictionary by id, and an
     upgrade's shipped file of the same name may differ from the one they were compressed
-    with. With a writer that takes no dictionary (the algorithm changed), each is kept for
-    reading only."""
+    with. With another compression.dictionary, or a writer that takes no dictionary (the
+    algorithm changed), the old ones are kept for reading only (retired: unloaded once no
+    blob uses them) and the new setting's are registered beside them as the candidates."""
     registry = store.dicts.registry
-    usable = store.codecs.writer.id == codecs.ZSTD and store.dicts.setting != "none"
+    fresh = registry.loaded()  # the new setting's, as the store was built with it
+    same = _setting(store.dicts.setting) == saved["setting"]
+    usable = same and store.codecs.writer.id == codecs.ZSTD and store.dicts.setting != "none"
     by_id: dict[int, LoadedDict] = {}
     for e in saved["entries"]:
         content = bytes(arrays[f"dict_{e['id']}"])
@@ -385,3 +390,6 @@ def _restore_dictionaries(store: PageStore, saved: dict, arrays: dict[str, np.nd
                                     if usable and i in by_id)
         registry.frame_candidates = tuple(by_id[i] for i in saved["frame_candidates"]
                                           if usable and i in by_id)
+    if not same:
+        for e in fresh:
+            registry.add(e.name, e.content, e.source, e.info, e.candidate, e.kind, e.frames)

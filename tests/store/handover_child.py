@@ -32,6 +32,9 @@ def plain_config(data: dict):
 
 
 def main() -> None:
+    # The package the parent runs is first on PYTHONPATH (a worktree, or tools/asan-tests.sh's
+    # copy with the ASan build): a venv's editable finder must not map another one ahead of it.
+    sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__]
     sock_fd, image_path, mode, config_json = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     from agentzip_blk.store import PageStore
     from agentzip_blk.store.handover import Exported
@@ -50,7 +53,9 @@ def main() -> None:
         from agentzip_blk.datapath import native
         lock = native.make_lock(native.Choice("native", "test"))
     store = PageStore.adopt(size, config, exported, lock=lock)
-    report: dict = {"counters_at_adopt": dict(vars(store.counters))}
+    import agentzip_blk
+    report: dict = {"counters_at_adopt": dict(vars(store.counters)),
+                    "package": agentzip_blk.__file__}
     store.check()
 
     door = path = None

@@ -143,7 +143,9 @@ def hand_to_child(tmp_path, config: Config, store: PageStore, model: bytearray,
             child.kill()
             child.wait()
     assert child.returncode == 0, err.decode()[-3000:]
-    return json.loads(out.decode().splitlines()[-1])
+    report = json.loads(out.decode().splitlines()[-1])
+    assert report["package"] == agentzip_blk.__file__  # the code under test, on both sides
+    return report
 
 
 def test_a_store_adopted_by_another_process_reads_back_every_byte_and_goes_on(tmp_path, filled):
@@ -157,6 +159,7 @@ def test_a_store_adopted_by_another_process_reads_back_every_byte_and_goes_on(tm
     assert after["writes"] > before["writes"] and after["reads"] > before["reads"]
     assert after["recompressed_pages"] > before["recompressed_pages"]
     assert after["demotions"] + after["direct_to_disk"] > before["demotions"] + before["direct_to_disk"]
+    assert after["compactions"] + after["units_rewritten"] > before["compactions"] + before["units_rewritten"]
     # the adopter closed (and removed) the tier file at its end, as a server that stops does
     assert not os.path.exists(config.pool.swap_out_path)
 
@@ -184,7 +187,6 @@ def test_a_changed_layout_key_is_refused_naming_it_and_the_exporter_goes_on(tmp_
         "compression.frame_pages": lambda c: setattr(c.compression, "frame_pages", 8),
         "compression.dedup": lambda c: setattr(c.compression, "dedup", "off"),
         "pool.swap_out_path": lambda c: setattr(c.pool, "swap_out_path", str(tmp_path / "x")),
-        "compression.dictionary": lambda c: setattr(c.compression, "dictionary", "prebuilt"),
     }
     open_fds = len(os.listdir("/proc/self/fd"))
     for key, change in changes.items():
@@ -319,4 +321,52 @@ def test_an_exported_store_without_a_disk_tier_hands_two_descriptors(tmp_path):
     store.release()
     adopted.check()
     assert adopted.read(0, 8 * PAGE) == b"".join(text_page(random.Random(5)) for _ in range(8))
+    adopted.close()
+
+
+def dict_store(setting: str) -> tuple[PageStore, bytes, Config]:
+    """A store whose frames were compressed with a dictionary of this host's (registered
+    beside the setting's), and the config it was built with."""
+    config = Config()
+    config.device.size = PAGES * PAGE
+    config.compression.frame_pages = 16
+    config.compression.warm_algorithm = "none"
+    config.compression.dictionary = setting
+    config.pool.swap_out_path = None
+    store = PageStore.from_config(PAGES * PAGE, config)
+    sel = store.dicts.frame_selector
+    sel.budget = sel.max_budget = sel.min_budget = 10.0  # a trial on every request
+    sel.margin = 0.0
+    rnd = random.Random(11)
+    content = b" ".join(text_page(rnd)[:2048] for _ in range(8))
+    entry = store.dicts.registry.add("json", content, "host", {"why": "test"})
+    data = b"".join(text_page(rnd) for _ in range(64))
+    store.write(data, 0)
+    assert entry.id in set(store.blobs.dict_id[store.blobs.live()].tolist())
+    return store, data, config
+
+
+@pytest.mark.parametrize("new_setting", ["prebuilt", "none"])
+def test_dictionaries_come_along_under_their_ids(new_setting):
+    """Blobs name their dictionary by id: the registry comes with its content (an upgrade's
+    file of that name may differ). Another compression.dictionary keeps the old ones for
+    reading only, and the new setting's are the candidates."""
+    store, data, config = dict_store("prebuilt")
+    old = {e.id: (e.name, e.content, e.candidate) for e in store.dicts.registry.loaded()}
+    new = dataclasses.replace(config, compression=dataclasses.replace(
+        config.compression, dictionary=new_setting))
+    adopted = PageStore.adopt(PAGES * PAGE, new, store.export())
+    store.release()
+    adopted.check()
+    assert adopted.read(0, 64 * PAGE) == data
+    registry = adopted.dicts.registry
+    got = {e.id: (e.name, e.content, e.candidate) for e in registry.loaded()}
+    if new_setting == "prebuilt":
+        assert got == old
+    else:
+        assert {i: (n, c) for i, (n, c, _) in got.items()} == {i: (n, c) for i, (n, c, _) in old.items()}
+        assert not registry.candidates and not any(e.candidate for e in registry.loaded())
+    adopted.write(data[::-1], 100 * PAGE)
+    assert adopted.read(100 * PAGE, 64 * PAGE) == data[::-1]
+    adopted.check()
     adopted.close()
