@@ -39,6 +39,7 @@ NEXT_LOG = "nbdkit.next.log"
 # command line, so each restart takes the other of these two names
 NBD_SOCKETS = ("nbd.sock", "nbd.next.sock")
 HANDOVER_SOCKET = "handover.sock"
+FAILED_LOG = "nbdkit.restart-failed.log"  # the log of the last new server that did not serve
 
 
 @dataclass
@@ -116,6 +117,8 @@ def _handover(state: RunState, config, timeout: float) -> Restarted:
             for name in (NEXT_PIDFILE, nbd_name, HANDOVER_SOCKET, NEXT_CONFIG):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(run_dir, name))
+            with contextlib.suppress(FileNotFoundError):  # why it failed, for the operator
+                os.replace(paths[NEXT_LOG], os.path.join(run_dir, FAILED_LOG))
         raise
     # the new server serves: make its files the run directory's
     os.replace(config_path, os.path.join(run_dir, "config.yaml"))
