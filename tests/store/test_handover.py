@@ -370,3 +370,42 @@ def test_dictionaries_come_along_under_their_ids(new_setting):
     assert adopted.read(100 * PAGE, 64 * PAGE) == data[::-1]
     adopted.check()
     adopted.close()
+
+
+def test_an_adopter_that_gives_up_leaves_the_exporter_whole(tmp_path, filled):
+    """A new server that fails after adopt (its check, its start) releases what it mapped:
+    nothing is freed, the tier file stays (still locked by the exporter's descriptor), and
+    the old server goes on serving every page."""
+    from agentzip_blk.store.disk import DiskError, DiskTier
+    config, store, model = filled
+    adopted = PageStore.adopt(config.device.size, config, store.export())
+    adopted.check()
+    with pytest.raises(DiskError, match="in use"):  # the flock came along with the file
+        DiskTier(config.pool.swap_out_path)
+    adopted.release()
+    assert os.path.exists(config.pool.swap_out_path)
+    with pytest.raises(DiskError, match="in use"):  # and stays with the exporter's
+        DiskTier(config.pool.swap_out_path)
+    store.check()
+    verify(store, model)
+    store.write(bytes(range(256)) * 16, 5 * PAGE)
+    model[5 * PAGE:6 * PAGE] = bytes(range(256)) * 16
+    store.maintain()
+    verify(store, model)
+    store.check()
+    store.close()
+    assert not os.path.exists(config.pool.swap_out_path)
+
+
+def test_a_store_with_requests_in_flight_is_not_exported(tmp_path, filled):
+    _config, store, _model = filled
+    store._begin()  # a request between its start and its end
+    try:
+        with pytest.raises(StoreError, match="in flight"):
+            store.export()
+    finally:
+        store._end()
+    exported = store.export()
+    for fd in exported.fds:
+        os.close(fd)
+    store.close()
