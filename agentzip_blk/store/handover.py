@@ -212,7 +212,7 @@ def _snapshot(store: PageStore, hasher: PageHasher) -> tuple[dict, dict[str, np.
             "entries": dictionaries,
             "candidates": [e.id for e in registry.candidates],
             "frame_candidates": [e.id for e in registry.frame_candidates],
-            "last_id": registry._last_id,  # noqa: SLF001 (restored as it was: no public setter)
+            "last_id": registry._last_id,  # restored as it was (see _restore_dictionaries)
             "unloaded": registry.unloaded,
         },
     }
@@ -252,6 +252,14 @@ def _read_tables(fd: int, sha256: str) -> dict[str, np.ndarray]:
 
 def _check(header: dict, config, size: int) -> None:
     """Refuse, naming the config key, what the new config cannot take."""
+    try:
+        _check_header(header, config, size)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise StoreError(f"store handover: a malformed header ({type(exc).__name__}: "
+                         f"{exc})") from None
+
+
+def _check_header(header: dict, config, size: int) -> None:
     if header.get("format") != FORMAT:
         raise StoreError(f"store handover format {header.get('format')!r}, this server "
                          f"reads {FORMAT}: restart with down/up")
@@ -294,7 +302,7 @@ def adopt(cls: type[PageStore], size: int, config, exported: Exported, *, lock=N
         store = cls.from_config(size, config, lock=lock,
                                 hasher=PageHasher(int(arrays["hash_seed"][0])),
                                 pool_memfd=fds[POOL_FD], disk_tier=disk, **kwargs)
-        fds[POOL_FD] = -1
+        fds[POOL_FD] = -1  # the store's now: its release() closes it
         disk = None
         internal = _internal_layout(store)
         if internal != header["internal"]:
@@ -359,8 +367,8 @@ def _restore_books(store: PageStore, header: dict, arrays: dict[str, np.ndarray]
     _restore_dictionaries(store, header["dictionaries"], arrays)
     # Ticks go on from the old server's origin: blob and slot ticks are relative to it, and
     # time.monotonic is one clock for every process of the host.
-    store._t0 = header["clock_origin"]  # noqa: SLF001 (the store's own package)
-    store._tick_base = header["tick_base"]  # noqa: SLF001
+    store._t0 = header["clock_origin"]
+    store._tick_base = header["tick_base"]
     store.on_tables_moved()
 
 
@@ -380,11 +388,11 @@ def _restore_dictionaries(store: PageStore, saved: dict, arrays: dict[str, np.nd
         by_id[e["id"]] = LoadedDict(e["id"], e["name"], e["source"], content, e["info"],
                                     e["candidate"] and usable, e["kind"], e["frames"],
                                     registry.level, registry.page_size, registry.frame_pages)
-    # no public way to put entries back under their ids: the registry's own fields, as
-    # DictionaryRegistry.add keeps them
-    with registry._lock:  # noqa: SLF001
-        registry._by_id = by_id  # noqa: SLF001
-        registry._last_id = int(saved["last_id"])  # noqa: SLF001
+    # No public way to put entries back under their ids (codec/ is not this change's): the
+    # registry's own fields, as DictionaryRegistry.add keeps them.
+    with registry._lock:
+        registry._by_id = by_id
+        registry._last_id = int(saved["last_id"])
         registry.unloaded = int(saved["unloaded"])
         registry.candidates = tuple(by_id[i] for i in saved["candidates"]
                                     if usable and i in by_id)

@@ -201,6 +201,21 @@ def test_a_changed_layout_key_is_refused_naming_it_and_the_exporter_goes_on(tmp_
     new.pool.max_size = 64 << 10  # below what the pool holds
     with pytest.raises(StoreError, match=r"pool\.max_size"):
         PageStore.adopt(config.device.size, new, store.export())
+    # another version's layout (here: its classes' span), or a header that is not one
+    exported = store.export()
+    exported.header["internal"]["span"] += 4096
+    with pytest.raises(StoreError, match="layout differs .*span"):
+        PageStore.adopt(config.device.size, config, exported)
+    exported = store.export()
+    del exported.header["pool"]
+    with pytest.raises(StoreError, match="malformed header"):
+        PageStore.adopt(config.device.size, config, exported)
+    exported = store.export()
+    exported.header["tables_sha256"] = "0" * 64
+    with pytest.raises(StoreError, match="checksum"):
+        PageStore.adopt(config.device.size, config, exported)
+    import gc
+    gc.collect()
     assert len(os.listdir("/proc/self/fd")) == open_fds  # a refusal closes what it was given
     # the exporter was not touched: it goes on serving
     store.check()
