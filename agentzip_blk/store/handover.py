@@ -45,7 +45,7 @@ from ..codec.dictionaries.registry import LoadedDict
 from ..errors import StoreError
 from .dedup import PageHasher
 from .disk import DiskTier
-from .pool import IDS
+from .pool import IDS, PoolFull
 from .slots import CHUNK_SLOTS
 
 if TYPE_CHECKING:
@@ -395,6 +395,8 @@ def _restore(store: PageStore, header: dict, arrays: dict[str, np.ndarray]) -> N
         _restore_books(store, header, arrays)
     except (KeyError, ValueError, TypeError, IndexError) as exc:
         raise StoreError(f"the tables handed over are inconsistent: {exc}") from None
+    except PoolFull as exc:  # the kernel refused to map an arena (vm.max_map_count, memory)
+        raise StoreError(f"cannot map the pool handed over: {exc}") from None
 
 
 def _restore_books(store: PageStore, header: dict, arrays: dict[str, np.ndarray]) -> None:

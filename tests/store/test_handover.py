@@ -433,3 +433,19 @@ def test_a_store_with_requests_in_flight_is_not_exported(tmp_path, filled):
     for fd in exported.fds:
         os.close(fd)
     store.close()
+
+
+def test_the_exporter_and_its_successor_never_share_a_nonce(tmp_path, filled):
+    """The successor seals from the counter it was given; the exporter, should it go on
+    (its successor failed), seals from far beyond: AES-GCM nonces are never reused."""
+    from agentzip_blk.store.disk import HANDOVER_GAP, NONCE_BYTES
+    config, store, _model = filled
+    exported = store.export()
+    adopted = PageStore.adopt(config.device.size, config, exported)
+    theirs = adopted.disk.seal(0, b"x" * 100, 1, 1)[:NONCE_BYTES]
+    ours = store.disk.seal(0, b"x" * 100, 1, 1)[:NONCE_BYTES]
+    assert theirs[:4] == ours[:4]  # one key, one prefix
+    gap = int.from_bytes(ours[4:], "little") - int.from_bytes(theirs[4:], "little")
+    assert gap == HANDOVER_GAP
+    adopted.release()
+    store.close()
