@@ -213,14 +213,15 @@ class BlobTable:
     # -- handover (store.handover) ----------------------------------------------------
 
     def handover_arrays(self) -> dict[str, np.ndarray]:
-        """The rows ever handed out (the others are zeros), `gen` whole: a released tail
-        keeps counting its generations (release_tail), across a handover too."""
+        """Views (valid under the store lock) of the rows ever handed out (the others are
+        zeros), `gen` whole: a released tail keeps counting its generations (release_tail),
+        across a handover too."""
         rows = self._next_unused
-        out = {f"blob_{name}": getattr(self, name)[:rows].copy() for name in _COLUMNS
+        out = {f"blob_{name}": getattr(self, name)[:rows] for name in _COLUMNS
                if name != "gen"}
-        out["blob_gen"] = self.gen.copy()
-        out["blob_members"] = self.members[:rows].copy()
-        out["blob_state"] = self.state.copy()
+        out["blob_gen"] = self.gen
+        out["blob_members"] = self.members[:rows]
+        out["blob_state"] = self.state
         return out
 
     def restore(self, arrays: dict[str, np.ndarray]) -> None:

@@ -52,6 +52,8 @@ NONCE_BYTES = 12
 TAG_BYTES = 16
 SEAL_OVERHEAD = NONCE_BYTES + TAG_BYTES  # bytes an encrypted extent holds beyond its blob
 _AAD = struct.Struct("<QIII")  # offset, length, blob id, blob generation
+# nonce counter values left to a successor at each handover (a 64-bit counter: 2^32 of them)
+HANDOVER_GAP = 1 << 32
 # The first bytes of every tier file; the header takes one allocation step.
 TIER_MAGIC = b"agentzip disk tier v1\n"
 TIER_HEADER = TIER_MAGIC.ljust(ALLOC_STEP, b"\0")
@@ -137,10 +139,13 @@ class _Sealer:
         self._counter = itertools.count(counter)  # next() is atomic under the GIL
 
     def secrets(self) -> tuple[bytes, bytes, int]:
-        """(key, nonce prefix, next counter) for a handover; the counter value taken here is
-        never used by this sealer again (it goes on from the next one), so the two sides
-        can never seal with one nonce, even if this one sealed again by mistake."""
-        return self._key, self._prefix, next(self._counter)
+        """(key, nonce prefix, next counter) for a handover. The successor counts from that
+        value; this sealer jumps HANDOVER_GAP ahead of it, so that if the successor fails
+        after sealing a few extents and this server goes on (or exports again), no nonce is
+        ever used twice under the key."""
+        counter = next(self._counter)
+        self._counter = itertools.count(counter + HANDOVER_GAP)
+        return self._key, self._prefix, counter
 
     def seal(self, data, aad: bytes) -> bytes:
         nonce = self._prefix + next(self._counter).to_bytes(8, "little")

@@ -11,9 +11,12 @@ the first and reads the second. What goes over (`Exported`):
   in the tables memfd, which only the descriptor reaches.
 - `fds`: [pool memfd, tables memfd, the disk tier's open file (only with a disk tier)].
 
-The tables memfd is one `np.savez` archive (arrays only, loaded with allow_pickle=False:
-the receiving process executes nothing it reads), sealed against any change before it is
-handed out, and its SHA-256 is in the header. Caches (hot pages, decoded frames, the
+The tables memfd holds each array's raw bytes at a page-aligned offset; the header's
+`tables` names each one's dtype, shape and offset. Only plain numeric dtypes are accepted
+(no object arrays, no pickle: the receiving process executes nothing it reads), and the
+receiver maps the memfd and copies from it into its own tables: one copy on each side, not
+the four of an np.savez archive (BENCHMARKS.md, "The pool in a memfd"). It is sealed
+against any change before it is handed out, and its xxh3-64 is in the header. Caches (hot pages, decoded frames, the
 recompressor's queue, the dictionary selector's trials and the trainer's samples) are not
 carried: they are rebuilt as requests come.
 
@@ -27,22 +30,22 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
-import hashlib
-import io
 import json
+import mmap
 import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import xxhash
 
 from ..codec import codecs
 from ..codec.dictionaries.registry import LoadedDict
 from ..errors import StoreError
 from .dedup import PageHasher
 from .disk import DiskTier
-from .pool import IDS
+from .pool import IDS, PoolFull
 from .slots import CHUNK_SLOTS
 
 if TYPE_CHECKING:
@@ -145,28 +148,29 @@ def export(store: PageStore) -> Exported:
         if store.requests_in_flight() or store.objects.decoding:
             raise StoreError("requests in flight: quiesce the store before a handover")
         header, arrays = _snapshot(store, hasher)
-        tables = _write_tables(arrays)
-        header["tables_sha256"] = tables[1]
-        fds = [os.dup(store.pool.memfd), tables[0]]
+        tables_fd, header["tables"], header["tables_xxh3"] = _write_tables(arrays)
+        fds = [os.dup(store.pool.memfd), tables_fd]
         if store.disk is not None:
             fds.append(os.dup(store.disk.fd))
     return Exported(header, fds)
 
 
 def _snapshot(store: PageStore, hasher: PageHasher) -> tuple[dict, dict[str, np.ndarray]]:
-    """Under the store lock: the header and every array the tables memfd holds."""
+    """Under the store lock: the header and every array the tables memfd holds (views of
+    the live tables, valid while the lock is held)."""
     slots, pool = store.slots, store.pool
     touched = np.flatnonzero(slots.chunk_touched)
     end = min(store.nslots, (int(touched[-1]) + 1) * CHUNK_SLOTS) if len(touched) else 0
     arrays: dict[str, np.ndarray] = {
-        # the slots up to the last chunk ever written: the rest are zeros
-        "slot_kind": slots.kind[:end].copy(), "slot_handle": slots.handle[:end].copy(),
-        "slot_sub": slots.sub[:end].copy(), "slot_rtime": slots.rtime[:end].copy(),
-        "chunk_live": slots.chunk_live.copy(), "chunk_touched": slots.chunk_touched.copy(),
-        "chunk_written": slots.chunk_written.copy(), "slot_state": slots.state.copy(),
-        "index_fps": store.index.arrays()[0].copy(), "index_vals": store.index.arrays()[1].copy(),
-        "index_state": store.index.state.copy(),
-        "codec_pages": store.objects.codec_pages.copy(),
+        # views of the live tables (written out before the lock is let go); the slots up
+        # to the last chunk ever written: the rest are zeros
+        "slot_kind": slots.kind[:end], "slot_handle": slots.handle[:end],
+        "slot_sub": slots.sub[:end], "slot_rtime": slots.rtime[:end],
+        "chunk_live": slots.chunk_live, "chunk_touched": slots.chunk_touched,
+        "chunk_written": slots.chunk_written, "slot_state": slots.state,
+        "index_fps": store.index.arrays()[0], "index_vals": store.index.arrays()[1],
+        "index_state": store.index.state,
+        "codec_pages": store.objects.codec_pages,
         "hash_seed": np.array([hasher.seed], dtype=np.uint64),
         **store.blobs.handover_arrays(),
         **{f"pool_{name}": book for name, book in pool.books().items()},
@@ -212,46 +216,109 @@ def _snapshot(store: PageStore, hasher: PageHasher) -> tuple[dict, dict[str, np.
             "entries": dictionaries,
             "candidates": [e.id for e in registry.candidates],
             "frame_candidates": [e.id for e in registry.frame_candidates],
-            "last_id": registry._last_id,  # noqa: SLF001 (restored as it was: no public setter)
+            "last_id": registry._last_id,  # restored as it was (see _restore_dictionaries)
             "unloaded": registry.unloaded,
         },
     }
     return header, arrays
 
 
-def _write_tables(arrays: dict[str, np.ndarray]) -> tuple[int, str]:
-    """The arrays in a new memfd, sealed against any change; its descriptor and SHA-256."""
-    buf = io.BytesIO()
-    np.savez(buf, allow_pickle=False, **arrays)
-    data = buf.getbuffer()
+_TABLE_ALIGN = 4096
+_TABLE_KINDS = "biuf"  # bool, signed and unsigned integers, floats: nothing else is read
+
+
+def _write_tables(arrays: dict[str, np.ndarray]) -> tuple[int, dict[str, list], str]:
+    """The arrays in a new memfd, sealed against any change: its descriptor, the index
+    ({name: [dtype, shape, offset]}) and the xxh3-64 of its content. Written straight from
+    the arrays' buffers (under the store lock: views of the live tables are consistent)."""
+    index: dict[str, list] = {}
+    at = 0
+    for name, array in arrays.items():
+        if array.dtype.kind not in _TABLE_KINDS:
+            raise StoreError(f"table {name}: dtype {array.dtype} is not plain numbers")
+        index[name] = [array.dtype.str, list(array.shape), at]
+        at += -(-array.nbytes // _TABLE_ALIGN) * _TABLE_ALIGN
     fd = os.memfd_create(_TABLES_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        view, done = memoryview(data), 0
-        while done < len(view):
-            done += os.write(fd, view[done:])
+        os.ftruncate(fd, at)
+        for name, array in arrays.items():
+            if not array.nbytes:
+                continue
+            view = memoryview(np.ascontiguousarray(array)).cast("B")
+            done, offset = 0, index[name][2]
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], offset + done)
+        digest = _digest(fd, at)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
     except BaseException:
         os.close(fd)
         raise
-    return fd, hashlib.sha256(data).hexdigest()
+    return fd, index, digest
+
+
+def _digest(fd: int, size: int) -> str:
+    if not size:
+        return xxhash.xxh3_64_hexdigest(b"")
+    with mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as m:
+        return xxhash.xxh3_64_hexdigest(m)
 
 
 # -- adopt --------------------------------------------------------------------------------
 
-def _read_tables(fd: int, sha256: str) -> dict[str, np.ndarray]:
-    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    if seals & _SEALS != _SEALS:
-        raise StoreError("the tables handed over are not sealed against change")
-    size = os.fstat(fd).st_size
-    data = os.pread(fd, size, 0)
-    if len(data) != size or hashlib.sha256(data).hexdigest() != sha256:
-        raise StoreError("the tables handed over do not match their checksum")
-    with np.load(io.BytesIO(data), allow_pickle=False) as archive:
-        return {name: archive[name] for name in archive.files}
+class _Tables:
+    """The tables memfd mapped read-only, its arrays as views of the mapping (the restore
+    copies them into the store's own tables); `close` unmaps it."""
+
+    def __init__(self, fd: int, index: dict, digest: str) -> None:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        if seals & _SEALS != _SEALS:
+            raise StoreError("the tables handed over are not sealed against change")
+        size = os.fstat(fd).st_size
+        self._map = (mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+                     if size else None)
+        try:
+            got = xxhash.xxh3_64_hexdigest(self._map if self._map is not None else b"")
+            if got != digest:
+                raise StoreError("the tables handed over do not match their checksum")
+            self.arrays = {name: self._view(name, entry, size) for name, entry in index.items()}
+        except BaseException:
+            self.close()
+            raise
+
+    def _view(self, name: str, entry: list, size: int) -> np.ndarray:
+        try:
+            dtype, shape, offset = np.dtype(str(entry[0])), tuple(int(n) for n in entry[1]), int(entry[2])
+        except (TypeError, ValueError, IndexError) as exc:
+            raise StoreError(f"table {name}: a malformed entry ({exc})") from None
+        if dtype.kind not in _TABLE_KINDS or dtype.hasobject:
+            raise StoreError(f"table {name}: dtype {dtype} is not plain numbers")
+        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if count < 0 or offset < 0 or offset % _TABLE_ALIGN or offset + count * dtype.itemsize > size:
+            raise StoreError(f"table {name}: outside the tables memfd")
+        if not count:
+            return np.zeros(shape, dtype=dtype)
+        return np.frombuffer(self._map, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+    def close(self) -> None:
+        self.arrays = {}
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a view still held somewhere: the collector unmaps it
+                pass
+            self._map = None
 
 
 def _check(header: dict, config, size: int) -> None:
     """Refuse, naming the config key, what the new config cannot take."""
+    try:
+        _check_header(header, config, size)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise StoreError(f"store handover: a malformed header ({type(exc).__name__}: "
+                         f"{exc})") from None
+
+
+def _check_header(header: dict, config, size: int) -> None:
     if header.get("format") != FORMAT:
         raise StoreError(f"store handover format {header.get('format')!r}, this server "
                          f"reads {FORMAT}: restart with down/up")
@@ -278,15 +345,17 @@ def adopt(cls: type[PageStore], size: int, config, exported: Exported, *, lock=N
     header, fds = exported.header, list(exported.fds)
     store: PageStore | None = None
     disk: DiskTier | None = None
+    tables: _Tables | None = None
     try:
         _check(header, config, size)
         has_disk = header.get("disk") is not None
         if len(fds) != (3 if has_disk else 2):
             raise StoreError(f"store handover: {len(fds)} descriptors, expected "
                              f"{3 if has_disk else 2}")
-        arrays = _read_tables(fds[TABLES_FD], header["tables_sha256"])
-        os.close(fds[TABLES_FD])
+        tables = _Tables(fds[TABLES_FD], header["tables"], header["tables_xxh3"])
+        os.close(fds[TABLES_FD])  # the mapping keeps what it needs
         fds[TABLES_FD] = -1
+        arrays = tables.arrays
         if has_disk:
             disk = DiskTier.adopt(fds[DISK_FD], config.pool.swap_out_max_size, header["disk"],
                                   arrays)
@@ -294,7 +363,7 @@ def adopt(cls: type[PageStore], size: int, config, exported: Exported, *, lock=N
         store = cls.from_config(size, config, lock=lock,
                                 hasher=PageHasher(int(arrays["hash_seed"][0])),
                                 pool_memfd=fds[POOL_FD], disk_tier=disk, **kwargs)
-        fds[POOL_FD] = -1
+        fds[POOL_FD] = -1  # the store's now: its release() closes it
         disk = None
         internal = _internal_layout(store)
         if internal != header["internal"]:
@@ -303,8 +372,12 @@ def adopt(cls: type[PageStore], size: int, config, exported: Exported, *, lock=N
                              f"({', '.join(diff)}): this version cannot adopt it; use down/up")
         with store.lock:
             _restore(store, header, arrays)
+        del arrays
+        tables.close()
         return store
     except BaseException:
+        if tables is not None:
+            tables.close()
         if store is not None:
             store.release()  # never close(): the pages are the old server's still
         if disk is not None:
@@ -322,6 +395,8 @@ def _restore(store: PageStore, header: dict, arrays: dict[str, np.ndarray]) -> N
         _restore_books(store, header, arrays)
     except (KeyError, ValueError, TypeError, IndexError) as exc:
         raise StoreError(f"the tables handed over are inconsistent: {exc}") from None
+    except PoolFull as exc:  # the kernel refused to map an arena (vm.max_map_count, memory)
+        raise StoreError(f"cannot map the pool handed over: {exc}") from None
 
 
 def _restore_books(store: PageStore, header: dict, arrays: dict[str, np.ndarray]) -> None:
@@ -359,8 +434,8 @@ def _restore_books(store: PageStore, header: dict, arrays: dict[str, np.ndarray]
     _restore_dictionaries(store, header["dictionaries"], arrays)
     # Ticks go on from the old server's origin: blob and slot ticks are relative to it, and
     # time.monotonic is one clock for every process of the host.
-    store._t0 = header["clock_origin"]  # noqa: SLF001 (the store's own package)
-    store._tick_base = header["tick_base"]  # noqa: SLF001
+    store._t0 = header["clock_origin"]
+    store._tick_base = header["tick_base"]
     store.on_tables_moved()
 
 
@@ -380,11 +455,11 @@ def _restore_dictionaries(store: PageStore, saved: dict, arrays: dict[str, np.nd
         by_id[e["id"]] = LoadedDict(e["id"], e["name"], e["source"], content, e["info"],
                                     e["candidate"] and usable, e["kind"], e["frames"],
                                     registry.level, registry.page_size, registry.frame_pages)
-    # no public way to put entries back under their ids: the registry's own fields, as
-    # DictionaryRegistry.add keeps them
-    with registry._lock:  # noqa: SLF001
-        registry._by_id = by_id  # noqa: SLF001
-        registry._last_id = int(saved["last_id"])  # noqa: SLF001
+    # No public way to put entries back under their ids (codec/ is not this change's): the
+    # registry's own fields, as DictionaryRegistry.add keeps them.
+    with registry._lock:
+        registry._by_id = by_id
+        registry._last_id = int(saved["last_id"])
         registry.unloaded = int(saved["unloaded"])
         registry.candidates = tuple(by_id[i] for i in saved["candidates"]
                                     if usable and i in by_id)

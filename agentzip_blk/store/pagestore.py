@@ -217,7 +217,10 @@ class PageStore:
         """This store as another process adopts it (store.handover): the header, and the
         descriptors [pool memfd, tables memfd, disk tier fd (if any)]. The store must be
         quiesced: no request in flight, the maintainer stopped, no other holder of the
-        lock. The caller closes the tables memfd once sent; then `release()` this store."""
+        lock (a native path bound to it closed first: `release` unmaps what it reads).
+        The descriptors are the caller's (duplicates): it closes them once sent. Exporting
+        changes nothing: a store whose successor failed goes on serving; one that was
+        taken over is `release()`d, never closed."""
         return handover.export(self)
 
     @classmethod

@@ -204,8 +204,9 @@ class Pool:
         self._state[MEMFD] = make_memfd(self.span * cap) if memfd is None else memfd
         # A pool dropped without `release` (a store never closed: tests) closes its memfd
         # when collected; the box lets `release` say it is closed already (the number may
-        # have been reused by then).
-        self._fd_box = [self.memfd]
+        # have been reused by then). A memfd handed in is the caller's until `adopt` (a
+        # store that fails to build leaves it to the caller to close).
+        self._fd_box = [self.memfd if memfd is None else -1]
         weakref.finalize(self, _close_box, self._fd_box)
 
     @property
@@ -497,6 +498,7 @@ class Pool:
             setattr(self, name, books[name.lstrip("_")].copy())
         self._state = memoryview(self.state)
         self._state[MEMFD] = memfd
+        self._fd_box[0] = memfd  # ours from now on
         self.arena_addr = np.zeros(cap, dtype=np.uint64)
         for arena_id in np.flatnonzero(self._a_class >= 0).tolist():
             size = self.classes[int(self._a_class[arena_id])].arena_size

@@ -2,6 +2,8 @@
 private anonymous arenas before them: run this file with the venv of each checkout.
 
     .venv/bin/python tests/store/bench_memfd_pool.py [ROUNDS]
+    .venv/bin/python tests/store/bench_memfd_pool.py handover [PAGES [WARM]]   (this checkout)
+    .venv/bin/python tests/store/bench_memfd_pool.py mapping      (the kernel's part alone)
 
 In-process, no FUSE: the native path driven as tests/nativeharness.py drives it, and the
 Python path's PageStore.write/read. Per round, on a fresh store: 16-page writes of text
@@ -9,7 +11,12 @@ pages (warm lz4 alone, so the native path stores them), 16-page reads of them al
 zero pages over them all (every blob and arena freed: the munmap, and with the memfd the
 punch). And the worst case for the punch: an arena made and released per cell (Pool.alloc
 and free of a lone cell). Prints one JSON line: the best round of each, in µs per page
-(per cycle for the churn).
+(per cycle for the churn). `handover`: a default-sized (8 GiB) store holding PAGES pages
+(default 65536: 256 MiB) in frames, exported and adopted in this process: the time of
+export, adopt and check(), and the tables memfd's size. `mapping`: what changed in the
+kernel's work, without the store: 4096 arenas of 16 KiB mapped (private anonymous, or
+shared from a memfd at id * 64 KiB), written whole, read, unmapped (and punched); the best
+of 15 alternating rounds, in µs per 4 KiB page.
 """
 
 from __future__ import annotations
@@ -73,7 +80,89 @@ def churn(cycles: int = 20000) -> float:
     return (time.perf_counter() - t) / cycles * 1e6
 
 
+def handover(pages: int, warm: str = "none") -> None:
+    from agentzip_blk.config.schema import Config
+    config = Config()
+    config.pool.swap_out_path = None
+    config.compression.dictionary = "none"
+    config.compression.warm_algorithm = warm  # lz4: a blob row and a cell per page
+    store = PageStore.from_config(config.device.size, config)
+    batch = b"".join(text_pages(256, 2))
+    for first in range(0, pages, 256):  # pages of the same few, dedup off in effect: no
+        store.write(batch.replace(b"tool_call", b"%09d" % first), first * PAGE)
+    t = time.perf_counter()
+    exported = store.export()
+    export_s = time.perf_counter() - t
+    tables = os.fstat(exported.fds[1]).st_size
+    t = time.perf_counter()
+    adopted = PageStore.adopt(config.device.size, config, exported)
+    adopt_s = time.perf_counter() - t
+    t = time.perf_counter()
+    adopted.check()
+    check_s = time.perf_counter() - t
+    store.release()
+    print(json.dumps({"pages": pages, "warm": warm, "pool_bytes": adopted.pool.allocated_bytes,
+                      "blobs": adopted.blobs.count, "tables_bytes": tables,
+                      "export_ms": round(export_s * 1e3, 1), "adopt_ms": round(adopt_s * 1e3, 1),
+                      "check_ms": round(check_s * 1e3, 1)}))
+    adopted.close()
+
+
+def mapping(rounds: int = 15) -> None:
+    import ctypes
+    import ctypes.util
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
+    arena, n, span = 16384, 4096, 65536
+    out = ctypes.create_string_buffer(arena)
+    fd = os.memfd_create("bench", os.MFD_CLOEXEC)
+    os.ftruncate(fd, n * span)
+
+    def once(shared: bool) -> list[float]:
+        t0 = time.perf_counter()
+        addrs = []
+        for i in range(n):
+            if shared:
+                a = libc.mmap(None, arena, 3, 0x01, fd, i * span)  # MAP_SHARED
+            else:
+                a = libc.mmap(None, arena, 3, 0x22, -1, 0)  # MAP_PRIVATE | MAP_ANONYMOUS
+            libc.madvise(a, arena, 16)  # MADV_DONTDUMP
+            ctypes.memset(a, 7, arena)
+            addrs.append(a)
+        t1 = time.perf_counter()
+        for a in addrs:
+            ctypes.memmove(out, a, arena)
+        t2 = time.perf_counter()
+        for i, a in enumerate(addrs):
+            libc.munmap(a, arena)
+            if shared:
+                libc.fallocate(fd, 3, i * span, arena)  # PUNCH_HOLE | KEEP_SIZE
+        t3 = time.perf_counter()
+        pages = n * arena / PAGE
+        return [(t1 - t0) / pages * 1e6, (t2 - t1) / pages * 1e6, (t3 - t2) / pages * 1e6]
+
+    best = {"anon": [1e9] * 3, "memfd": [1e9] * 3}
+    for _ in range(rounds):
+        for name in best:
+            best[name] = [min(x, y) for x, y in zip(best[name], once(name == "memfd"))]
+    os.close(fd)
+    print(json.dumps({k: {"map_write_us": round(v[0], 2), "read_us": round(v[1], 2),
+                          "unmap_us": round(v[2], 2)} for k, v in best.items()}))
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "mapping":
+        mapping()
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "handover":
+        handover(int(sys.argv[2]) if len(sys.argv) > 2 else 65536,
+                 sys.argv[3] if len(sys.argv) > 3 else "none")
+        return
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
     pages = text_pages(PAGES, 1)
     best: dict[str, float] = {}
