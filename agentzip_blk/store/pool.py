@@ -75,6 +75,7 @@ _PROT_RW = 0x1 | 0x2
 _MAP_SHARED = 0x01
 _MAP_FAILED = (1 << 64) - 1
 _MADV_DONTDUMP = 16
+_MADV_POPULATE_READ = 22
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
 MEMFD_NAME = "agentzip-pool"
@@ -502,7 +503,13 @@ class Pool:
         self.arena_addr = np.zeros(cap, dtype=np.uint64)
         for arena_id in np.flatnonzero(self._a_class >= 0).tolist():
             size = self.classes[int(self._a_class[arena_id])].arena_size
-            self.arena_addr[arena_id] = map_arena(memfd, arena_id * span, size)
+            addr = map_arena(memfd, arena_id * span, size)
+            self.arena_addr[arena_id] = addr
+            # Fault every page in now: the server's mlockall(MCL_FUTURE|MCL_ONFAULT) locks a
+            # page when this process faults it, and the old server, which had them locked,
+            # exits after the handover. A shared page locked by nobody could be swapped out,
+            # onto the very device this process serves. (EINVAL before Linux 5.14: skipped.)
+            _libc.madvise(addr, size, _MADV_POPULATE_READ)
         self.on_moved()
 
     def release(self) -> None:
