@@ -362,7 +362,7 @@ static PyObject *Path_bind(Path *self, PyObject *args) {
     COLUMN(class_cells, "class_cells", uint32_t, nclasses);
     COLUMN(class_arena, "class_arena", uint32_t, nclasses);
     COLUMN(class_head, "class_head", int32_t, nclasses);
-    STATE(pool_state, "pool_state", 8);
+    STATE(pool_state, "pool_state", POOL_STATE_ITEMS);
     COLUMN(codec_pages, "codec_pages", int64_t, ncodecs);
 #undef COLUMN
 #undef STATE
