@@ -28,6 +28,7 @@ from . import (
     metrics,
     node_agent,
     progress,
+    restart,
     scope,
     serve,
     stats,
@@ -41,7 +42,7 @@ from ._common import EXIT_NOT_ATTACHED, EXIT_RUNTIME, EXIT_SETUP, PROG, CliError
 __all__ = ["main", "build_parser", "PROG", "EXIT_NOT_ATTACHED", "CliError"]
 
 # the order of `agentzip-blk --help`
-COMMANDS = (serve, up, down, status, stats, demo, dicts, estimate, scope, config_show, tune, doctor,
+COMMANDS = (serve, up, down, restart, status, stats, demo, dicts, estimate, scope, config_show, tune, doctor,
             metrics, install_units, webhook, node_agent)
 
 

@@ -28,6 +28,12 @@ TEXTS: dict[str, tuple[str, tuple[str, ...]]] = {
            "return once swap is on; the server lives on until `down`. With --tune, also the "
            "tuner in the background.",
            (f"{PROG} up --size 8G --priority 100", f"{PROG} up --config /etc/agentzip/config.yaml --tune")),
+    "restart": ("Start a new server from the installed code and config and hand it the "
+                "running one's FUSE connection and store: no swapoff, no page moves; requests "
+                "wait in the kernel's queue meanwhile. On any failure the old server serves on "
+                "(exit 1). Keys a running store cannot change (device.size, the page and frame "
+                "layout) are refused by name.",
+                (f"{PROG} restart", f"{PROG} restart --config /etc/agentzip/config.yaml")),
     "demo": ("Bring the device up, build an agent-like heap in a cgroup below our own, squeeze "
              "it into swap, read it back, verify it and report what the host got back.",
              (f"{PROG} demo --mb 300", f"{PROG} demo --swap zram-lz4")),

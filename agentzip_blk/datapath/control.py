@@ -115,6 +115,7 @@ class ControlServer:
         self._open_lock = threading.Lock()
         self._busy_queue: queue.Queue[socket.socket] = queue.Queue(_BUSY_QUEUE)
         self._sock: socket.socket | None = None
+        self._ino: int | None = None  # of our socket file: stop() unlinks only that one
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -140,6 +141,7 @@ class ControlServer:
         else:
             os.chmod(self.path, 0o600)
         self._sock = sock
+        self._ino = os.lstat(self.path).st_ino
         self._thread = threading.Thread(target=self._accept_loop, name="agentzip-control", daemon=True)
         self._thread.start()
         threading.Thread(target=self._busy_loop, name="agentzip-control-busy",
@@ -153,10 +155,16 @@ class ControlServer:
             except OSError:
                 pass
             self._sock.close()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        # after a restart the path is the next server's socket (move_to): leave that one
+        with contextlib.suppress(FileNotFoundError):
+            if os.lstat(self.path).st_ino == self._ino:
+                os.unlink(self.path)
+
+    def move_to(self, path: str) -> None:
+        """rename(2) our socket file over ``path``: a restart's new server takes the old
+        one's path in one step (clients connect to one or the other, never to nothing)."""
+        os.rename(self.path, path)
+        self.path = path
 
     def _accept_loop(self) -> None:
         while not self._stop.is_set():

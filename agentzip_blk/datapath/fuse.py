@@ -24,6 +24,15 @@ rest up here. No signal handler is installed; nothing here touches signals.
 Unmount (``fusermount3 -u`` or ``umount``) ends the connection: every worker's read then
 fails with ENODEV and the workers exit. ``stop`` unmounts lazily if still mounted and
 aborts the connection (``/sys/fs/fuse/connections/N/abort``) if workers linger.
+
+Pause and handover (a restart, docs/ARCHITECTURE.md "Restart"): the descriptor is
+non-blocking and each worker waits in an epoll set of its own that holds it (EPOLLEXCLUSIVE:
+a request wakes one worker) and a wake eventfd. ``pause`` sets a stop byte and rings the
+eventfd: every worker finishes the request it has read and takes no other, and the requests
+the kernel sends meanwhile wait in its queue. ``resume`` starts the workers again; ``adopt``
+serves a descriptor another server process mounted (received over SCM_RIGHTS), without
+mounting or INIT: the connection, the mount, the loop device over the file and the swap area
+never change.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ import ctypes.util
 import errno
 import logging
 import os
+import select
 import stat
 import struct
 import threading
@@ -112,7 +122,7 @@ class FuseError(OSError):
 class NativeServe(Protocol):
     """The native request path's loop (datapath.native.NativePath.serve)."""
 
-    def serve(self, fd: int, rbuf, wbuf) -> int: ...
+    def serve(self, fd: int, rbuf, wbuf, epfd: int = -1, stop=None) -> int: ...
     def counters(self) -> dict: ...
 
 
@@ -219,6 +229,10 @@ class FuseFile:
         self._workers: list[threading.Thread] = []
         self._conn: int | None = None  # /sys/fs/fuse/connections/N
         self._stopping = False
+        self._stop = bytearray(1)  # workers take no new request while set (pause)
+        self._wake: int | None = None  # an eventfd each worker's epoll set holds
+        self._inited = threading.Event()
+        self._handed_over = False  # the descriptor went to the next server: only close ours
         now = int(time.time())
         self._file_attr = ATTR.pack(FILE_ID, size, size // 512, now, now, now, 0, 0, 0,
                                     stat.S_IFREG | 0o600, 1, 0, 0, 0, PAGE, 0)
@@ -251,12 +265,7 @@ class FuseFile:
         except BaseException:
             os.close(fd)
             raise
-        self._fd = fd
-        self._inited = threading.Event()
-        for i in range(self.threads):
-            t = threading.Thread(target=self._worker, name=f"agentzip-fuse-{i}", daemon=True)
-            t.start()
-            self._workers.append(t)
+        self._serve_fd(fd)
         # the kernel sends INIT right after mount(2); a stat() waits for its answer
         st = os.stat(self.mountpoint)
         self._conn = (os.major(st.st_dev) << 20) | os.minor(st.st_dev)  # the kernel's s_dev
@@ -264,11 +273,69 @@ class FuseFile:
             self.stop()
             raise FuseError(errno.ETIMEDOUT, f"FUSE INIT on {self.mountpoint} not answered")
 
+    def adopt(self, fd: int, conn: int | None = None) -> None:
+        """Serve the /dev/fuse descriptor ``fd`` of a connection another process mounted
+        and initialised (a restart's handover): no mount, no INIT. ``fd`` is ours to close."""
+        self._inited.set()
+        self._conn = conn
+        self._serve_fd(fd)
+
+    def _serve_fd(self, fd: int) -> None:
+        os.set_blocking(fd, False)  # workers wait in epoll, so that a pause can wake them
+        self._fd = fd
+        if self._wake is None:
+            self._wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self._start_workers()
+
+    def _start_workers(self) -> None:
+        self._stop[0] = 0
+        self._workers = []
+        for i in range(self.threads):
+            t = threading.Thread(target=self._worker, name=f"agentzip-fuse-{i}", daemon=True)
+            t.start()
+            self._workers.append(t)
+
+    def pause(self, timeout: float = 10.0) -> None:
+        """Finish the requests read and take no new one (they wait in the kernel's queue).
+        Raises FuseError when a worker is still busy after ``timeout`` (then resume)."""
+        self._stop[0] = 1
+        os.eventfd_write(self._wake, 1)
+        deadline = time.monotonic() + timeout
+        for t in self._workers:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in self._workers):
+            raise FuseError(errno.EBUSY, f"a FUSE worker is still busy after {timeout:g} s")
+
+    def resume(self) -> None:
+        """Serve again after ``pause`` (a handover that failed)."""
+        with contextlib.suppress(BlockingIOError):
+            os.eventfd_read(self._wake)
+        self._start_workers()
+
+    @property
+    def descriptor(self) -> int | None:
+        """The /dev/fuse descriptor (for a handover, after ``pause``)."""
+        return self._fd
+
+    def hand_over(self) -> None:
+        """The next server serves the connection now: from here on this object only closes
+        what it holds, and ``stop`` neither unmounts nor aborts."""
+        self._conn = None
+        self._handed_over = True
+
+    @property
+    def connection(self) -> int | None:
+        """The kernel's id of the connection (/sys/fs/fuse/connections/N)."""
+        return self._conn
+
     def stop(self, timeout: float = 5.0) -> None:
         """Unmount (lazily when busy) and wait for the workers; abort the connection if they
         do not end. Safe to call twice and after an external unmount."""
         self._stopping = True
         if self._fd is None:
+            return
+        if self._handed_over:
+            self._close_own()
             return
         if _is_mountpoint(self.mountpoint) and not unmount(self.mountpoint):
             unmount(self.mountpoint, lazy=True)
@@ -279,9 +346,15 @@ class FuseFile:
             self.abort()
             for t in self._workers:
                 t.join(1.0)
+        self._close_own()
+
+    def _close_own(self) -> None:
         fd, self._fd = self._fd, None
-        with contextlib.suppress(OSError):
-            os.close(fd)
+        wake, self._wake = self._wake, None
+        for f in (fd, wake):
+            if f is not None:
+                with contextlib.suppress(OSError):
+                    os.close(f)
 
     def abort(self) -> None:
         """End the connection now (in-flight and future requests fail with ENOTCONN)."""
@@ -309,16 +382,37 @@ class FuseFile:
         wbuf = bytearray(OUT_HEADER.size + MAX_IO)
         io = _Worker(fd, rbuf, memoryview(rbuf), wbuf, memoryview(wbuf))
         native = self.native
+        stop = self._stop
+        ep = select.epoll()
+        try:
+            # EPOLLEXCLUSIVE: a request wakes one waiting worker; the wake eventfd wakes all
+            ep.register(fd, select.EPOLLIN | select.EPOLLEXCLUSIVE)
+            ep.register(self._wake, select.EPOLLIN)
+            self._serve_loop(io, ep, stop, native)
+        finally:
+            ep.close()
+
+    def _serve_loop(self, io: _Worker, ep: select.epoll, stop: bytearray,
+                    native: NativeServe | None) -> None:
+        fd, rbuf, wbuf = io.fd, io.rbuf, io.wbuf
+        epfd = ep.fileno()
         while True:
             try:
+                if stop[0]:
+                    return
                 if native is None:
                     n = os.readv(fd, [rbuf])
                 else:
-                    n = native.serve(fd, rbuf, wbuf)
+                    n = native.serve(fd, rbuf, wbuf, epfd, stop)
+                    if n == -errno.ECANCELED:  # paused
+                        return
                     if n < 0:
                         raise OSError(-n, os.strerror(-n))
                     if n == 0:  # end of file: not /dev/fuse, which never returns 0
                         return
+            except BlockingIOError:  # the queue is empty: wait for a request or a pause
+                ep.poll()
+                continue
             except OSError as e:
                 if e.errno == errno.ENODEV:  # unmounted: the connection is gone
                     return

@@ -107,10 +107,14 @@ class NativePath:
             self.store.outside_drop_idle = lambda seconds: None
             self.store.recompressor.native_pack = None
 
-    def serve(self, fd: int, rbuf, wbuf) -> int:
+    def serve(self, fd: int, rbuf, wbuf, epfd: int = -1, stop=None) -> int:
         """Serve requests from `fd` until one needs Python: its length (it is in `rbuf`),
-        0 at end of file, or -errno when read(2) failed."""
-        return self._path.serve(fd, rbuf, wbuf)
+        0 at end of file, or -errno when read(2) failed. With `epfd` and `stop` (a
+        non-blocking `fd`, datapath.fuse): an empty queue waits in epoll_wait(epfd), and
+        -ECANCELED is returned, before another request is read, once stop[0] is set."""
+        if stop is None:
+            return self._path.serve(fd, rbuf, wbuf)
+        return self._path.serve(fd, rbuf, wbuf, epfd, stop)
 
     def pack(self, blobs, gens, slots) -> tuple[int, int, int, int, bool]:
         """The recompressor's pass over warm blobs held by one slot each (store.recompress):

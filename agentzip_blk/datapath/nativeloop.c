@@ -31,6 +31,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
 #include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
@@ -361,7 +362,7 @@ static PyObject *Path_bind(Path *self, PyObject *args) {
     COLUMN(class_cells, "class_cells", uint32_t, nclasses);
     COLUMN(class_arena, "class_arena", uint32_t, nclasses);
     COLUMN(class_head, "class_head", int32_t, nclasses);
-    STATE(pool_state, "pool_state", 8);
+    STATE(pool_state, "pool_state", POOL_STATE_ITEMS);
     COLUMN(codec_pages, "codec_pages", int64_t, ncodecs);
 #undef COLUMN
 #undef STATE
@@ -698,20 +699,38 @@ static int serve_write(Path *self, int fd, const uint8_t *r, ssize_t n, uint8_t 
     return SERVED;
 }
 
-/* serve(fd, rbuf, wbuf) -> int: serve requests until one needs Python. Returns its length
- * (the request is in rbuf), 0 at end of file, or -errno when read(2) failed. */
+/* serve(fd, rbuf, wbuf[, epfd, stop]) -> int: serve requests until one needs Python.
+ * Returns its length (the request is in rbuf), 0 at end of file, or -errno when read(2)
+ * failed. With `epfd` (an epoll set holding the non-blocking /dev/fuse descriptor and a wake
+ * eventfd) and `stop` (a one-byte buffer): an empty queue waits in epoll_wait, and the loop
+ * returns -ECANCELED before it reads another request once stop[0] is set. So a pause
+ * (datapath.fuse.FuseFile.pause, the handover of a restart) finishes the requests already
+ * read and takes no new one: those wait in the kernel's queue for the next server. */
 static PyObject *Path_serve(Path *self, PyObject *args) {
-    int fd;
-    Py_buffer rb, wb;
-    if (!PyArg_ParseTuple(args, "iw*w*", &fd, &rb, &wb))
+    int fd, epfd = -1;
+    Py_buffer rb, wb, sb = {0};
+    if (!PyArg_ParseTuple(args, "iw*w*|iy*", &fd, &rb, &wb, &epfd, &sb))
         return NULL;
     uint8_t *r = rb.buf, *w = wb.buf;
+    const volatile uint8_t *stop = sb.buf != NULL && sb.len >= 1 ? sb.buf : NULL;
     size_t rlen = (size_t)rb.len, wlen = (size_t)wb.len;
     ssize_t result;
     Py_BEGIN_ALLOW_THREADS
     for (;;) {
+        if (stop != NULL && *stop) {
+            result = -ECANCELED;
+            break;
+        }
         ssize_t n = read(fd, r, rlen);
         if (n < 0) {
+            if (errno == EAGAIN && epfd >= 0) {
+                struct epoll_event ev[2];
+                if (epoll_wait(epfd, ev, 2, -1) < 0 && errno != EINTR) {
+                    result = -errno;
+                    break;
+                }
+                continue;
+            }
             if (errno == EINTR || errno == EAGAIN)
                 continue;
             result = -errno;
@@ -735,6 +754,8 @@ static PyObject *Path_serve(Path *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&rb);
     PyBuffer_Release(&wb);
+    if (sb.buf != NULL)
+        PyBuffer_Release(&sb);
     return PyLong_FromSsize_t(result);
 }
 
@@ -891,7 +912,7 @@ static PyMethodDef Path_methods[] = {
     {"set_tick_base", (PyCFunction)Path_set_tick_base, METH_VARARGS, "under the lock"},
     {"set_writes", (PyCFunction)(void (*)(void))Path_set_writes, METH_VARARGS | METH_KEYWORDS,
      "set_writes(enabled, dedup, seed, hot_ticks, reclaim_bytes, max_blobs, doorbell, dense, frame_pages, level), under the lock"},
-    {"serve", (PyCFunction)Path_serve, METH_VARARGS, "serve(fd, rbuf, wbuf) -> int"},
+    {"serve", (PyCFunction)Path_serve, METH_VARARGS, "serve(fd, rbuf, wbuf[, epfd, stop]) -> int"},
     {"set_packing", (PyCFunction)Path_set_packing, METH_VARARGS, "set_packing(frame_pages, level)"},
     {"pack", (PyCFunction)Path_pack, METH_VARARGS,
      "pack(blobs, gens, slots) -> (switched, raced, kept, bad, room); takes the lock itself"},

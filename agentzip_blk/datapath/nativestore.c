@@ -1,8 +1,10 @@
 /* The native request path's work on the store's books (nativestore.h): a warm read and a
  * warm write, and the pool, index and blob-table operations they need. Each function names
  * the Python function it mirrors; the model tests hold the two to the same answers. */
+#define _GNU_SOURCE /* fallocate */
 #include "nativestore.h"
 
+#include <fcntl.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <time.h>
@@ -418,18 +420,21 @@ static int32_t new_arena(Tables *t, uint64_t cls) {
     if (ps[POOL_ALLOCATED] + size > ps[POOL_MAX_SIZE])
         return NO_ARENA;
     int64_t id = ps[POOL_FREE_ID];
-    if (id == NO_ARENA && (uint64_t)ps[POOL_IDS] >= t->narenas)
+    int fresh = id == NO_ARENA;
+    if (fresh && (uint64_t)ps[POOL_IDS] >= t->narenas)
         return NO_ARENA;
-    void *addr = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (fresh)
+        id = ps[POOL_IDS];
+    /* pool.map_arena: id's place in the pool's memfd, shared (the memory outlives us) */
+    void *addr = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, (int)ps[POOL_MEMFD],
+                      (off_t)(id * ps[POOL_SPAN]));
     if (addr == MAP_FAILED)
         return NO_ARENA;
     madvise(addr, size, MADV_DONTDUMP); /* tenants' pages in the clear (pool.map_arena) */
-    if (id != NO_ARENA) {
-        ps[POOL_FREE_ID] = t->a_next[id];
-    } else {
-        id = ps[POOL_IDS];
+    if (fresh)
         ps[POOL_IDS] = id + 1;
-    }
+    else
+        ps[POOL_FREE_ID] = t->a_next[id];
     t->a_class[id] = (int16_t)cls;
     t->a_addr[id] = (uint64_t)(uintptr_t)addr;
     t->a_used[id] = 0;
@@ -446,8 +451,11 @@ static void release_arena(Tables *t, int32_t a) { /* Pool._release_arena */
     partial_remove(t, a);
     int16_t cls = t->a_class[a];
     uint32_t size = t->class_arena[cls];
-    munmap((void *)(uintptr_t)t->a_addr[a], size);
     int64_t *ps = t->pool_state;
+    /* pool.unmap_arena: a shared mapping's munmap frees nothing; the punch does */
+    munmap((void *)(uintptr_t)t->a_addr[a], size);
+    fallocate((int)ps[POOL_MEMFD], FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+              (off_t)(a * ps[POOL_SPAN]), size);
     t->a_addr[a] = 0;
     t->a_used[a] = 0;
     t->a_class[a] = -1;

@@ -54,6 +54,9 @@
 #define POOL_IDS 5
 #define POOL_FREE_ID 6
 #define POOL_MAX_SIZE 7
+#define POOL_MEMFD 8 /* the arenas' memfd: arena id a maps at a * POOL_SPAN (store.pool) */
+#define POOL_SPAN 9
+#define POOL_STATE_ITEMS 10 /* pool.STATE_ITEMS: what bind() must find in pool_state */
 #define ARENA_PARTIAL 1
 #define ARENA_EVACUATING 2
 

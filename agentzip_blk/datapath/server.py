@@ -23,14 +23,17 @@ from ..codec import dictionaries
 from ..config import Config, load_config, load_file
 from ..config.quantities import parse_size
 from ..store import PageStore
+from ..store.handover import Exported
 from ..store.tiering import Maintainer
-from . import latency, native, protect
+from . import handover, latency, native, protect
 from .control import ControlServer
 from .freed import FreedSlots
 from .guard import SignalGuard
 from .pressure import HostPressure
 
-PLUGIN_KEYS = ("config", "config_sha256", "size", "control", "fuse", "fuse_threads")
+PLUGIN_KEYS = ("config", "config_sha256", "size", "control", "fuse", "fuse_threads", "takeover",
+               "takeover_pid")
+HANDOVER_TIMEOUT = 120.0  # s the old server waits for the new one's check (a big store's)
 MAX_STATS_AGE = 3600  # s: the oldest cached stats a `stats` request may ask for
 # s: the youngest stats a member of the control group gets. A fresh one is a scan of the
 # slot table under the store lock (15-40 ms at 64Ki pages); asked for with max_age 0 in a
@@ -53,6 +56,10 @@ class ServerOptions:
     control: str | None = None
     fuse: str | None = None  # mount point of the FUSE front door (datapath.fuse)
     fuse_threads: int | None = None
+    # a restart: the socket on which the running server (pid takeover_pid) hands over its
+    # FUSE connection and its store (datapath.handover); nothing is mounted or built anew
+    takeover: str | None = None
+    takeover_pid: int | None = None
 
     @classmethod
     def from_keys(cls, keys: dict[str, str]) -> ServerOptions:
@@ -63,9 +70,15 @@ class ServerOptions:
             )
         size = parse_size(keys["size"]) if "size" in keys else None
         threads = int(keys["fuse_threads"]) if "fuse_threads" in keys else None
+        takeover_pid = int(keys["takeover_pid"]) if "takeover_pid" in keys else None
+        if ("takeover" in keys) != (takeover_pid is not None):
+            raise ValueError("takeover= and takeover_pid= go together")
+        if "takeover" in keys and not (keys.get("fuse") and keys.get("control")):
+            raise ValueError("takeover= needs fuse= and control= (a restart of the FUSE door)")
         return cls(config_path=keys.get("config"), config_sha256=keys.get("config_sha256"),
                    size=size, control=keys.get("control"), fuse=keys.get("fuse"),
-                   fuse_threads=threads)
+                   fuse_threads=threads, takeover=keys.get("takeover"),
+                   takeover_pid=takeover_pid)
 
 
 @dataclass
@@ -103,6 +116,12 @@ class Server:
         self.guard: SignalGuard | None = None
         # the last `stats` reply, the age of its snapshot then, and when it was built
         self._stats_reply: tuple[dict, float, float] | None = None
+        # restarts: handovers this store has been through (from the first server on), and
+        # when that first server started; handed_over: ours went to the next server
+        self.restarts = 0
+        self.first_started = self.started
+        self.handed_over = False
+        self._handover_lock = threading.Lock()
 
     @classmethod
     def from_keys(cls, keys: dict[str, str]) -> Server:
@@ -139,8 +158,12 @@ class Server:
                  "RLIMIT_MEMLOCK (LimitMEMLOCK=infinity)")
         self.protection.oom_score = protect.lower_oom_score()
         self.protection.io_flusher = protect.set_io_flusher()
-        self.store = PageStore.from_config(self.size, self.config,
-                                           lock=native.make_lock(self.datapath))
+        taken = None
+        if self.options.takeover:
+            taken = self._take_over()  # the store and the FUSE connection of the old server
+        else:
+            self.store = PageStore.from_config(self.size, self.config,
+                                               lock=native.make_lock(self.datapath))
         self.pressure = HostPressure()
         self.store.pressure = self.pressure
         # the slots the kernel freed without telling us, from its swap map of our area
@@ -150,17 +173,22 @@ class Server:
         self.store.kernel_map = self.freed.read
         self.maintainer = Maintainer(self.store)
         self.maintainer.start()
+        if taken is not None:
+            self._serve_taken(*taken)
+            return
         if self.options.control:
-            group = self.config.device.control_group
-            self.control = ControlServer(self.options.control, self.handlers(),
-                                         read_only=READ_ONLY_VERBS,
-                                         group_gid=grp.getgrnam(group).gr_gid if group else None,
-                                         group_handlers={"stats": self._group_stats})
+            self.control = self._control(self.options.control)
             self.control.start()
         if self.options.fuse:
             self._start_fuse()
 
-    def _start_fuse(self) -> None:
+    def _control(self, path: str) -> ControlServer:
+        group = self.config.device.control_group
+        return ControlServer(path, self.handlers(), read_only=READ_ONLY_VERBS,
+                             group_gid=grp.getgrnam(group).gr_gid if group else None,
+                             group_handlers={"stats": self._group_stats})
+
+    def _start_fuse(self, adopt_fd: int | None = None, conn: int | None = None) -> None:
         from . import fuse
 
         threads = self.options.fuse_threads or fuse.DEFAULT_THREADS
@@ -173,22 +201,86 @@ class Server:
         # requests the native path serves without calling us) and errno mapping.
         door = fuse.FuseFile(self.options.fuse, self.size, self, threads=threads,
                              on_thread=self.on_request_thread, native=self.native)
-        door.start()
+        if adopt_fd is not None:  # a restart: the connection the old server mounted
+            door.adopt(adopt_fd, conn)
+        else:
+            door.start()
         self.fuse = door
+
+    # -- a restart: the new server's side ------------------------------------------------
+
+    def _take_over(self) -> tuple[handover.Taker, int, dict]:
+        """Take the old server's store and FUSE connection (datapath.handover): map, check,
+        say ready. Raises (and the new nbdkit exits) on anything wrong; the old one then
+        resumes, since it heard no "ready"."""
+        taker = handover.Taker(self.options.takeover)
+        fds: list[int] = []
+        try:
+            offer = taker.take(self.options.takeover_pid, HANDOVER_TIMEOUT)
+            fds = offer.fds
+            header = offer.header
+            if len(fds) < 1:
+                raise handover.HandoverError("an offer without the FUSE descriptor")
+            exported = Exported(header["store"], fds[1:])
+            fds = fds[:1]  # adopt owns the store's descriptors, and closes them on failure
+            self.store = PageStore.adopt(self.size, self.config, exported,
+                                         lock=native.make_lock(self.datapath))
+            self.store.check()
+            self.restarts = int(header.get("restarts", 0)) + 1
+            self.first_started = float(header.get("first_started", self.started))
+            taker.ready()
+            return taker, fds[0], header
+        except BaseException as exc:
+            taker.fail(f"{type(exc).__name__}: {exc}")
+            taker.close()
+            if self.store is not None:
+                self.store.release()  # the old server's memory and tier file stay its own
+                self.store = None
+            for fd in fds:
+                os.close(fd)
+            raise
+
+    def _serve_taken(self, taker: handover.Taker, fuse_fd: int, header: dict) -> None:
+        """After "ready": wait for the old server's "go", then serve; the control socket
+        replaces the old one's path at once (rename), so `status` reaches this server."""
+        try:
+            taker.wait_go(HANDOVER_TIMEOUT)
+        except BaseException:
+            taker.close()
+            self.store.release()
+            self.store = None
+            os.close(fuse_fd)
+            raise
+        taker.close()
+        device = header.get("guard_device")
+        if device and self.guard is not None:
+            self.guard.arm(device)
+        self._start_fuse(adopt_fd=fuse_fd, conn=header.get("fuse_connection"))
+        staged = self.options.control + ".next"
+        self.control = self._control(staged)
+        self.control.start()
+        self.control.move_to(self.options.control)
+        _say(f"agentzip: serving after a handover from pid {self.options.takeover_pid} "
+             f"(restart {self.restarts})")
 
     def stop(self) -> None:
         if self.fuse is not None:
-            self.fuse.stop()  # unmounts (lazily if the loop device still holds it)
+            # unmounts (lazily if the loop device still holds it); after a handover it only
+            # closes our descriptor: the connection is the next server's
+            self.fuse.stop()
         if self.native is not None:
             self.native.close()
         if self.control is not None:
-            self.control.stop()
+            self.control.stop()  # unlinks its path only while the path is still its socket
         if self.maintainer is not None:
             self.maintainer.stop()
         if self.freed is not None:
             self.freed.close()
         if self.store is not None:
-            self.store.close()  # removes the disk tier file
+            if self.handed_over:
+                self.store.release()  # the pool, tables and tier file are the next server's
+            else:
+                self.store.close()  # removes the disk tier file
 
     def on_request_thread(self) -> None:
         """PR_SET_IO_FLUSHER is per thread; mark each nbdkit worker the first time it calls."""
@@ -243,6 +335,7 @@ class Server:
             "guard": self._guard,
             "owned": self._owned,
             "shutdown": self._shutdown,
+            "handover": self._handover,
         }
 
     def _health(self, request: dict) -> dict:
@@ -252,7 +345,7 @@ class Server:
         return {"pid": os.getpid(), "store": self.store.health(),
                 "guarded": self.guard is not None and self.guard.guarded(),
                 "datapath": self.datapath.path, "version": __version__,
-                "started": round(self.started, 3),
+                "started": round(self.started, 3), "restarts": self.restarts,
                 "memory_locked": self.protection.memory_locked is None,
                 # why mlockall failed (status and doctor say it), None when locked
                 "memory_lock_error": self.protection.memory_locked}
@@ -296,6 +389,65 @@ class Server:
         _say("agentzip: shutdown requested over the control socket")
         self.guard.stop()
         return {"pid": os.getpid()}
+
+    def _handover(self, request: dict) -> dict:
+        """A restart (`agentzip-blk restart`): give the store and the FUSE connection to the
+        new server listening on request["to"] as pid request["pid"] (datapath.handover).
+        The FUSE workers and the maintainer pause; requests wait in the kernel's queue. On
+        any failure before the new server's "ready" they resume and the reply says why."""
+        to, pid = request.get("to"), request.get("pid")
+        if not isinstance(to, str) or not isinstance(pid, int) or isinstance(pid, bool):
+            raise ValueError('"to" must be a socket path and "pid" a process id')
+        if self.fuse is None or self.store is None:
+            raise ValueError("only a server of the FUSE front door can hand over")
+        if not self._handover_lock.acquire(blocking=False):
+            raise ValueError("a handover is already under way")
+        try:
+            if self.handed_over:
+                raise ValueError("this server has handed over already")
+            return self._give(to, pid)
+        finally:
+            self._handover_lock.release()
+
+    def _give(self, to: str, pid: int) -> dict:
+        giver = handover.Giver(to, pid, HANDOVER_TIMEOUT)
+        t0 = time.monotonic()
+        try:
+            self.fuse.pause()
+        except BaseException:
+            self.fuse.resume()
+            giver.close()
+            raise
+        self.maintainer.stop()
+        exported = None
+        try:
+            exported = self.store.export()  # under the store lock: no verb is inside it
+            header = {"store": exported.header, "restarts": self.restarts,
+                      "first_started": self.first_started,
+                      "guard_device": self.guard.device if self.guard else None,
+                      "fuse_connection": self.fuse.connection}
+            giver.offer(handover.Offer(header, [self.fuse.descriptor, *exported.fds]))
+            giver.verdict()
+        except BaseException as exc:
+            giver.close()
+            self.maintainer = Maintainer(self.store)
+            self.maintainer.start()
+            self.fuse.resume()
+            _say(f"agentzip: handover to pid {pid} failed, serving on: {exc}")
+            raise ValueError(f"handover failed, the old server serves on: {exc}") from None
+        finally:
+            if exported is not None:
+                for fd in exported.fds:  # duplicates: the store keeps its own
+                    os.close(fd)
+        giver.go()  # from here on the new server serves: never resume
+        giver.close()
+        self.handed_over = True
+        self.fuse.hand_over()
+        paused_ms = (time.monotonic() - t0) * 1e3
+        _say(f"agentzip: handed over to pid {pid} after {paused_ms:.0f} ms; exiting")
+        if self.guard is not None:
+            threading.Timer(0.2, self.guard.stop).start()  # after this reply is sent
+        return {"pid": os.getpid(), "to_pid": pid, "paused_ms": round(paused_ms, 1)}
 
     def _swap_over_our_file(self) -> str | None:
         """A swap area in /proc/swaps that is a loop device backed by our FUSE file."""
@@ -358,6 +510,9 @@ class Server:
             "uptime_s": round(time.time() - self.started, 1),
             # Unix time (wall clock): a restart shows as a step, unlike an uptime that resets
             "start_time_s": round(self.started, 3),
+            # restarts without swapoff this store has been through (`agentzip-blk restart`)
+            "restarts": self.restarts,
+            "store_start_time_s": round(self.first_started, 3),
             "memory_locked": self.protection.memory_locked is None,
             "oom_score_lowered": self.protection.oom_score is None,
             "io_flusher": self.protection.io_flusher is None,

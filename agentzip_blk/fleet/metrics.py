@@ -257,6 +257,10 @@ def stats_metrics(st: dict) -> Iterator[Metric]:
     if "start_time_s" in srv:
         yield GaugeMetricFamily(_n("start_time_seconds"), "Unix time the server started.",
                                 value=float(srv["start_time_s"]))
+    if "restarts" in srv:  # handovers without swapoff (agentzip-blk restart)
+        yield CounterMetricFamily(_n("server_restarts"), "Restarts of the server that kept "
+                                  "its store (agentzip-blk restart).",
+                                  value=float(srv["restarts"]))
 
 
 def _number(v: object) -> float:

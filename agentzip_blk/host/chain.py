@@ -496,15 +496,16 @@ def check_up_preconditions(*, allow_zswap: bool = False, plugin: str | None = No
                          "or pass --allow-zswap")
 
 
-def write_effective_config(config, run_dir: str) -> tuple[str, str]:
-    """RUN/config.yaml, the config the server starts on, and the SHA-256 of its bytes: the
-    server reads that file alone (no drop-ins) and only with that digest, since others may
-    write the run directory (config.load_file)."""
+def write_effective_config(config, run_dir: str, name: str = "config.yaml") -> tuple[str, str]:
+    """RUN/config.yaml (a restart's new server: RUN/``name`` until it serves), the config
+    the server starts on, and the SHA-256 of its bytes: the server reads that file alone (no
+    drop-ins) and only with that digest, since others may write the run directory
+    (config.load_file)."""
     import yaml
 
     from ..config import config_digest
 
-    path = os.path.join(run_dir, "config.yaml")
+    path = os.path.join(run_dir, name)
     data = ("# the config this server was started with (written by agentzip-blk up)\n" +
             yaml.safe_dump(config.to_dict(), sort_keys=False)).encode("utf-8")
     with open_private(path, "wb") as f:

@@ -210,6 +210,39 @@ class BlobTable:
         self._relink()
         return released
 
+    # -- handover (store.handover) ----------------------------------------------------
+
+    def handover_arrays(self) -> dict[str, np.ndarray]:
+        """Views (valid under the store lock) of the rows ever handed out (the others are
+        zeros), `gen` whole: a released tail keeps counting its generations (release_tail),
+        across a handover too."""
+        rows = self._next_unused
+        out = {f"blob_{name}": getattr(self, name)[:rows] for name in _COLUMNS
+               if name != "gen"}
+        out["blob_gen"] = self.gen
+        out["blob_members"] = self.members[:rows]
+        out["blob_state"] = self.state
+        return out
+
+    def restore(self, arrays: dict[str, np.ndarray]) -> None:
+        """The rows of a table handed over (before any request)."""
+        state = arrays["blob_state"]
+        rows = int(state[NEXT_UNUSED])
+        capacity = len(arrays["blob_gen"])
+        if arrays["blob_members"].shape != (rows, self.members.shape[1]):
+            raise ValueError(f"blob members {arrays['blob_members'].shape}, expected "
+                             f"({rows}, {self.members.shape[1]})")
+        if capacity > self.capacity:
+            self._grow(capacity)
+        for name, dtype in _COLUMNS.items():
+            got = arrays[f"blob_{name}"]
+            if got.dtype != np.dtype(dtype) or len(got) != (capacity if name == "gen" else rows):
+                raise ValueError(f"blob column {name}: {got.dtype}[{len(got)}]")
+            getattr(self, name)[: len(got)] = got
+        self.members[:rows] = arrays["blob_members"]
+        self.state[:] = state
+        self.on_moved()
+
     # -- growth: ahead of need from the maintainer, inline only when it fell behind ------
 
     def wanted(self) -> int | None:

@@ -297,6 +297,17 @@ class DedupIndex:
             return cap  # a sweep
         return None
 
+    def restore(self, fps: np.ndarray, vals: np.ndarray, state: np.ndarray) -> None:
+        """The table of a store handed over (store.handover), before any request: its
+        positions as they were (homes depend on the capacity, which comes with them)."""
+        if len(fps) != len(vals) or fps.dtype != np.uint16 or vals.dtype != np.uint32:
+            raise ValueError("dedup index arrays do not match")
+        new_fps, new_vals = self._arrays(len(fps))
+        new_fps[:] = fps
+        new_vals[:] = vals
+        self.state[:] = state
+        self._set(new_fps, new_vals)
+
     @classmethod
     def prepare(cls, capacity: int) -> tuple[np.ndarray, np.ndarray]:
         """New, empty arrays, their pages written now: the maintainer calls this without the

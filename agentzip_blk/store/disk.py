@@ -39,6 +39,7 @@ import os
 import stat
 import struct
 
+import numpy as np
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from sortedcontainers import SortedDict, SortedList
@@ -51,6 +52,8 @@ NONCE_BYTES = 12
 TAG_BYTES = 16
 SEAL_OVERHEAD = NONCE_BYTES + TAG_BYTES  # bytes an encrypted extent holds beyond its blob
 _AAD = struct.Struct("<QIII")  # offset, length, blob id, blob generation
+# nonce counter values left to a successor at each handover (a 64-bit counter: 2^32 of them)
+HANDOVER_GAP = 1 << 32
 # The first bytes of every tier file; the header takes one allocation step.
 TIER_MAGIC = b"agentzip disk tier v1\n"
 TIER_HEADER = TIER_MAGIC.ljust(ALLOC_STEP, b"\0")
@@ -125,10 +128,24 @@ class _Sealer:
     which the server locks (datapath.protect.lock_memory: mlockall(MCL_CURRENT|MCL_FUTURE|
     MCL_ONFAULT)), so it never reaches a swap device or a file; it dies with the process."""
 
-    def __init__(self) -> None:
-        self._aead = AESGCM(AESGCM.generate_key(bit_length=256))  # os.urandom inside
-        self._prefix = os.urandom(NONCE_BYTES - 8)
-        self._counter = itertools.count(1)  # next() is atomic under the GIL
+    def __init__(self, key: bytes | None = None, prefix: bytes | None = None,
+                 counter: int = 1) -> None:
+        """A new key, or (a handover: store.handover) the key, nonce prefix and next
+        counter of the server this one replaces."""
+        # os.urandom inside generate_key
+        self._key = key if key is not None else AESGCM.generate_key(bit_length=256)
+        self._aead = AESGCM(self._key)
+        self._prefix = prefix if prefix is not None else os.urandom(NONCE_BYTES - 8)
+        self._counter = itertools.count(counter)  # next() is atomic under the GIL
+
+    def secrets(self) -> tuple[bytes, bytes, int]:
+        """(key, nonce prefix, next counter) for a handover. The successor counts from that
+        value; this sealer jumps HANDOVER_GAP ahead of it, so that if the successor fails
+        after sealing a few extents and this server goes on (or exports again), no nonce is
+        ever used twice under the key."""
+        counter = next(self._counter)
+        self._counter = itertools.count(counter + HANDOVER_GAP)
+        return self._key, self._prefix, counter
 
     def seal(self, data, aad: bytes) -> bytes:
         nonce = self._prefix + next(self._counter).to_bytes(8, "little")
@@ -172,6 +189,72 @@ class DiskTier:
         self.punch_errors = 0
         self._pending: list[tuple[int, int]] = []  # freed extents, not yet punched
         self._dirty = False
+
+    # -- handover (store.handover): the open file and its books to another process ------
+
+    @property
+    def fd(self) -> int:
+        return self._fd
+
+    def handover_state(self) -> tuple[dict, dict[str, np.ndarray]]:
+        """Under the store lock, quiesced: the scalars (plain data) and the arrays (free
+        extents, extents waiting for their punch, the sealer's key and nonce state) a tier
+        handed over needs besides its descriptor."""
+        scalars = {"path": self.path, "max_size": self.max_size, "end": self.end,
+                   "file_size": self.file_size, "live_bytes": self.live_bytes,
+                   "reads": self.reads, "writes": self.writes,
+                   "punch_errors": self.punch_errors, "dirty": self._dirty,
+                   "encrypted": self._sealer is not None, "counter": 0}
+        free = np.array(list(self._by_offset.items()), dtype=np.int64).reshape(-1, 2)
+        pending = np.array(self._pending, dtype=np.int64).reshape(-1, 2)
+        arrays = {"disk_free": free, "disk_pending": pending}
+        if self._sealer is not None:
+            key, prefix, counter = self._sealer.secrets()
+            scalars["counter"] = counter
+            arrays["disk_key"] = np.frombuffer(key, dtype=np.uint8).copy()
+            arrays["disk_nonce_prefix"] = np.frombuffer(prefix, dtype=np.uint8).copy()
+        return scalars, arrays
+
+    @classmethod
+    def adopt(cls, fd: int, max_size: int, scalars: dict,
+              arrays: dict[str, np.ndarray]) -> DiskTier:
+        """The tier of the server this one replaces, on its open descriptor `fd` (its flock
+        comes with it: a lock belongs to the open file, not to a process). Nothing is
+        truncated or rewritten. `max_size`: the new config's cap (the caller checked it
+        holds what is there)."""
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or os.pread(fd, len(TIER_MAGIC), 0) != TIER_MAGIC:
+            raise DiskError("the disk tier handed over is not a tier file")
+        tier = cls.__new__(cls)
+        tier.path = scalars["path"]
+        tier.max_size = max_size
+        tier._fd = fd
+        if scalars["encrypted"]:
+            tier._sealer = _Sealer(bytes(arrays["disk_key"]), bytes(arrays["disk_nonce_prefix"]),
+                                   int(scalars["counter"]))
+        else:
+            tier._sealer = None
+        tier.overhead = SEAL_OVERHEAD if tier._sealer is not None else 0
+        tier._by_offset = SortedDict()
+        tier._by_size = SortedList()
+        for offset, size in arrays["disk_free"].tolist():
+            tier._add_free(offset, size)
+        tier.end = int(scalars["end"])
+        tier.file_size = int(scalars["file_size"])
+        tier.live_bytes = int(scalars["live_bytes"])
+        tier.reads = int(scalars["reads"])
+        tier.writes = int(scalars["writes"])
+        tier.punch_errors = int(scalars["punch_errors"])
+        tier._pending = [(int(o), int(n)) for o, n in arrays["disk_pending"].tolist()]
+        tier._dirty = bool(scalars["dirty"])
+        return tier
+
+    def release(self) -> None:
+        """Close the descriptor and leave the file as it is: after a handover another
+        server holds it (and its flock), and removes it when it stops."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
 
     def extent_size(self, length: int) -> int:
         """Bytes of file an extent for a blob of `length` bytes takes."""

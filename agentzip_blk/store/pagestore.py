@@ -34,12 +34,13 @@ from ..codec.codecs import MAX_COMPRESSED, Codec, CodecSet, PooledCodec, make_co
 from ..codec.dictionaries import StoreDictionaries
 from ..config import MAX_DEVICE_SIZE, MAX_FRAME_PAGES
 from ..errors import OutOfRange, StoreFull
-from . import accounting
+from . import accounting, handover
 from .blobs import BlobTable
 from .cache import HotCache
 from .dedup import SUB_BITS, DedupIndex, HashFn
 from .disk import DiskError, DiskTier
 from .doorbell import Doorbell
+from .handover import Exported
 from .integrity import Corrupt
 from .objects import Counters, Deferred, Moved, Objects
 from .placement import Placer, Prepared
@@ -102,7 +103,12 @@ class PageStore:
         hasher: HashFn | None = None,
         warm_algorithm: str = "none",
         lock: StoreLock | None = None,
+        pool_memfd: int | None = None,
+        disk_tier: DiskTier | None = None,
     ) -> None:
+        """`pool_memfd` and `disk_tier`: the pool's memfd and the disk tier of a store handed
+        over (`adopt`, store.handover), which restores their books; otherwise a new pool,
+        and a new tier file at `tiering.swap_out_path`."""
         if page_size != 4096:
             raise ValueError("only 4096-byte pages are supported")
         if not 1 <= frame_pages <= MAX_FRAME_PAGES:
@@ -133,12 +139,10 @@ class PageStore:
                                        frame_writer=self.frame_codec, frame_pages=frame_pages)
         self.codecs = CodecSet(writer, self.dicts.registry)
         max_blob = frame_pages * MAX_COMPRESSED if frame_pages > 1 else page_size
-        self.pool = Pool(tiering.max_size, page_size, max_blob)
-        self.disk = (
-            DiskTier(tiering.swap_out_path, tiering.swap_out_max_size)
-            if tiering.swap_out_path
-            else None
-        )
+        self.pool = Pool(tiering.max_size, page_size, max_blob, memfd=pool_memfd)
+        self.disk = disk_tier
+        if disk_tier is None and tiering.swap_out_path:
+            self.disk = DiskTier(tiering.swap_out_path, tiering.swap_out_max_size)
         self.blobs = BlobTable(frame_pages=frame_pages)
         sub_mask = (1 << SUB_BITS) - 1
         # a resize re-places entries by their full keys, which the blob table keeps
@@ -208,6 +212,41 @@ class PageStore:
             warm_algorithm=config.compression.warm_algorithm,
             **kwargs,
         )
+
+    # -- handover: the store to another process without copying the pool (issue 28) -----
+
+    def export(self) -> Exported:
+        """This store as another process adopts it (store.handover): the header, and the
+        descriptors [pool memfd, tables memfd, disk tier fd (if any)]. The store must be
+        quiesced: no request in flight, the maintainer stopped, no other holder of the
+        lock (a native path bound to it closed first: `release` unmaps what it reads).
+        The descriptors are the caller's (duplicates): it closes them once sent. Exporting
+        changes nothing: a store whose successor failed goes on serving; one that was
+        taken over is `release()`d, never closed."""
+        return handover.export(self)
+
+    @classmethod
+    def adopt(cls, size: int, config, exported: Exported, *, lock: StoreLock | None = None,
+              **kwargs) -> PageStore:
+        """The store another process `export`ed, built for `config` (from_config's
+        arguments): its pool mapped from the memfd (no copy), every book restored. Raises
+        StoreError naming the config key when the config cannot take it
+        (handover.LAYOUT_KEYS, or a pool or tier cap below what is held). Takes ownership
+        of the descriptors."""
+        return handover.adopt(cls, size, config, exported, lock=lock, **kwargs)
+
+    def release(self) -> None:
+        """After `export`: let go of the store without freeing anything another process
+        may have adopted: the arenas are unmapped, the pool memfd and the tier file's
+        descriptor closed; no arena is punched, the tier file is neither truncated nor
+        removed. The store is unusable afterwards."""
+        with self.lock:
+            self.pool.release()
+            if self.disk is not None:
+                self.disk.release()
+            self.hot.clear()
+            self.objects.frames.clear()
+        self.doorbell.close()
 
     @property
     def frames(self) -> HotCache:
@@ -708,4 +747,5 @@ class PageStore:
             self._release_slots(0, self.nslots)
             if self.disk is not None:
                 self.disk.close()
+            self.pool.release()  # empty by now: every arena punched
         self.doorbell.close()

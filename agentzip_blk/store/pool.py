@@ -1,4 +1,4 @@
-"""A zsmalloc-like pool: size classes, cells carved from fixed-size anonymous arenas.
+"""A zsmalloc-like pool: size classes, cells carved from fixed-size arenas of one memfd.
 
 Each size class (32-byte steps up to 3072 bytes, plus whole pages for raw blobs, plus
 coarser classes for multi-page frames when the store makes them) owns
@@ -6,7 +6,16 @@ arenas of one fixed size, chosen per class so that cells tile the arena with lit
 waste. A cell is addressed by (arena id, cell index). Free cells of an arena form an
 intrusive list threaded through the free cells themselves (the first 4 bytes hold the
 next free index), so free space costs no metadata. An arena whose last cell is freed is
-unmapped at once: memory goes back to the kernel, which is the point of the exercise.
+unmapped and its range hole-punched at once: memory goes back to the kernel, which is the
+point of the exercise.
+
+The memory outlives the process (issue 28: a restart without swapoff): every arena is a
+MAP_SHARED mapping of ONE sparse memfd the pool owns (no path in any filesystem), arena id
+`a` at offset `a * span`, `span` being the largest arena of the pool's classes. A new server
+handed that descriptor (store.handover) maps the arenas where they are, without a copy. The
+file is sized to `span` times the per-arena arrays' capacity and sealed against shrinking
+(a shrink under a mapping would be a SIGBUS); a hole costs nothing, so the size does not
+matter. A shared mapping's munmap frees nothing: `unmap_arena` punches the range too.
 
 Every book is in numpy arrays indexed by arena id, and the pool's totals in one int64 array
 (`state`); an arena is known by its address alone (mmap(2) and munmap(2) through libc, no
@@ -23,7 +32,9 @@ from __future__ import annotations
 import bisect
 import ctypes
 import ctypes.util
+import fcntl
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -46,8 +57,10 @@ EVACUATING = 2  # being emptied by compaction: no new cells
 # costs memory only where it was written, so a fresh arena holding one cell costs that
 # cell's pages: what the server's RSS pays for the pool); LIVE_BYTES cell sizes in use;
 # LIVE_CELLS; ARENAS mapped; IDS arena ids ever used; FREE_ID the first free arena id (-1:
-# none; the rest chained through _a_next); MAX_SIZE the cap.
-ALLOCATED, RESIDENT, LIVE_BYTES, LIVE_CELLS, ARENAS, IDS, FREE_ID, MAX_SIZE = range(8)
+# none; the rest chained through _a_next); MAX_SIZE the cap; MEMFD the arenas' memfd and SPAN
+# the bytes per arena id in it (read by nativestore.c, which maps arenas too).
+ALLOCATED, RESIDENT, LIVE_BYTES, LIVE_CELLS, ARENAS, IDS, FREE_ID, MAX_SIZE, MEMFD, SPAN = range(10)
+STATE_ITEMS = 10
 LARGE_CLASS_GROWTH = 32  # classes above MAX_COMPRESSED grow by 1/32
 GROW_AHEAD = 0.75  # the maintainer doubles the per-arena arrays once this share is used
 
@@ -57,17 +70,36 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
                        ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
 _PROT_RW = 0x1 | 0x2
-_MAP_PRIVATE_ANON = 0x02 | 0x20
+_MAP_SHARED = 0x01
 _MAP_FAILED = (1 << 64) - 1
 _MADV_DONTDUMP = 16
+_MADV_POPULATE_READ = 22
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+MEMFD_NAME = "agentzip-pool"
 
 
-def map_arena(size: int) -> int:
-    """A fresh anonymous mapping (zero-filled, no memory until written), kept out of core
-    dumps: it holds tenants' pages in the clear (docs/SECURITY.md). nativestore.c maps the
-    same way. Raises PoolFull when the kernel refuses."""
-    addr = _libc.mmap(None, size, _PROT_RW, _MAP_PRIVATE_ANON, -1, 0)
+def make_memfd(size: int) -> int:
+    """The pool's sparse memfd of `size` bytes, sealed against shrinking (a mapped arena
+    past a shrunk end would SIGBUS), close-on-exec (it is handed over explicitly)."""
+    fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def map_arena(fd: int, offset: int, size: int) -> int:
+    """The arena at `offset` of the pool's memfd, shared (zero-filled where never written,
+    no memory until written), kept out of core dumps: it holds tenants' pages in the clear
+    (docs/SECURITY.md). nativestore.c maps the same way. Raises PoolFull when the kernel
+    refuses."""
+    addr = _libc.mmap(None, size, _PROT_RW, _MAP_SHARED, fd, offset)
     if addr is None or addr == _MAP_FAILED:
         err = ctypes.get_errno()
         raise PoolFull(f"mmap of a {size}-byte arena: {os.strerror(err)}")
@@ -75,8 +107,17 @@ def map_arena(size: int) -> int:
     return addr
 
 
-def unmap_arena(addr: int, size: int) -> None:
+def unmap_arena(fd: int, offset: int, addr: int, size: int) -> None:
+    """Unmap an arena and free its memory: the munmap of a shared mapping frees nothing,
+    the memfd keeps the pages until their range is punched."""
     _libc.munmap(addr, size)
+    _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, size)
+
+
+def _close_box(box: list[int]) -> None:
+    if box[0] >= 0:
+        os.close(box[0])
+        box[0] = -1
 
 
 class PoolFull(Exception):
@@ -124,7 +165,10 @@ class SizeClass:
 
 
 class Pool:
-    def __init__(self, max_size: int, page_size: int = PAGE, max_blob: int = PAGE) -> None:
+    def __init__(self, max_size: int, page_size: int = PAGE, max_blob: int = PAGE,
+                 memfd: int | None = None) -> None:
+        """`memfd`: the arenas' memfd of a pool handed over (store.handover, which restores
+        the books and maps the arenas: `adopt`); None: a new, empty one."""
         self.page_size = page_size
         self.max_blob = max(max_blob, page_size)
         self.classes: list[SizeClass] = []
@@ -151,11 +195,30 @@ class Pool:
         self.class_arena = np.array([c.arena_size for c in self.classes], dtype=np.uint32)
         # per class: the newest arena with a free cell (allocation takes it: LIFO, cache-warm)
         self.class_head = np.full(len(self.classes), _NO_ARENA, dtype=np.int32)
-        self.state = np.zeros(8, dtype=np.int64)
+        self.state = np.zeros(STATE_ITEMS, dtype=np.int64)
         self._state = memoryview(self.state)
         self._state[FREE_ID] = _NO_ARENA
         self._state[MAX_SIZE] = max_size
+        # every arena id has `span` bytes of the memfd, whatever its class
+        span = max(c.arena_size for c in self.classes)
+        self._state[SPAN] = -(-span // page_size) * page_size
+        self._state[MEMFD] = make_memfd(self.span * cap) if memfd is None else memfd
+        # A pool dropped without `release` (a store never closed: tests) closes its memfd
+        # when collected; the box lets `release` say it is closed already (the number may
+        # have been reused by then). A memfd handed in is the caller's until `adopt` (a
+        # store that fails to build leaves it to the caller to close).
+        self._fd_box = [self.memfd if memfd is None else -1]
+        weakref.finalize(self, _close_box, self._fd_box)
 
+    @property
+    def memfd(self) -> int:
+        """The descriptor of the memfd every arena maps (-1 once `release`d)."""
+        return self._state[MEMFD]
+
+    @property
+    def span(self) -> int:
+        """Bytes of the memfd per arena id: arena `a` is at `a * span`."""
+        return self._state[SPAN]
     @property
     def max_size(self) -> int:
         return self._state[MAX_SIZE]
@@ -283,12 +346,14 @@ class Pool:
         arena_id = self._state[FREE_ID]
         if arena_id == _NO_ARENA and self._state[IDS] >= len(self._a_class):
             self._grow(self._state[IDS] + 1)
-        addr = map_arena(cls.arena_size)
-        if arena_id != _NO_ARENA:
-            self._state[FREE_ID] = int(self._a_next[arena_id])
-        else:
+        fresh = arena_id == _NO_ARENA
+        if fresh:
             arena_id = self._state[IDS]
+        addr = map_arena(self.memfd, arena_id * self.span, cls.arena_size)
+        if fresh:
             self._state[IDS] = arena_id + 1
+        else:
+            self._state[FREE_ID] = int(self._a_next[arena_id])
         self._a_class[arena_id] = cls.index
         self.arena_addr[arena_id] = addr
         self._a_used[arena_id] = 0
@@ -302,7 +367,8 @@ class Pool:
 
     def _release_arena(self, arena_id: int, cls: SizeClass) -> None:
         self._partial_remove(arena_id)
-        unmap_arena(int(self.arena_addr[arena_id]), cls.arena_size)
+        unmap_arena(self.memfd, arena_id * self.span, int(self.arena_addr[arena_id]),
+                    cls.arena_size)
         self.arena_addr[arena_id] = 0
         self._a_used[arena_id] = 0
         self._a_class[arena_id] = _NO_CLASS
@@ -333,6 +399,9 @@ class Pool:
 
     def _grow(self, needed: int) -> None:
         cap = max(needed, 2 * len(self._a_class))
+        # the memfd first: the native path maps ids below the arrays' length (sparse: free)
+        if os.fstat(self.memfd).st_size < cap * self.span:
+            os.ftruncate(self.memfd, cap * self.span)
         fill = {"_a_class": _NO_CLASS, "_a_next": _NO_ARENA, "_a_prev": _NO_ARENA}
         for name in ("_a_class", "_a_used", "_a_free_head", "_a_bump", "_a_next", "_a_prev",
                      "_a_flags", "arena_addr"):
@@ -396,6 +465,66 @@ class Pool:
     def get(self, arena_id: int, cell: int, length: int) -> bytes:
         cls = self.classes[int(self._a_class[arena_id])]
         return ctypes.string_at(self._cell_addr(arena_id, cls, cell), length)
+
+    # -- handover (store.handover): the books out, the arenas mapped again ---------------
+
+    _BOOKS = ("_a_class", "_a_used", "_a_free_head", "_a_bump", "_a_next", "_a_prev",
+              "_a_flags", "class_head", "state")
+
+    def books(self) -> dict[str, np.ndarray]:
+        """Copies of every book but the arenas' addresses (which are this process's): what
+        a pool handed over needs besides its memfd. Under the store lock."""
+        return {name.lstrip("_"): getattr(self, name).copy() for name in self._BOOKS}
+
+    def adopt(self, books: dict[str, np.ndarray]) -> None:
+        """Take the `books` of the pool whose memfd this one was built on, and map each of
+        its arenas at its place in the memfd (no copy). Before any request."""
+        for name in self._BOOKS:
+            got = books[name.lstrip("_")]
+            mine = getattr(self, name)
+            if got.dtype != mine.dtype or (name in ("class_head", "state")
+                                           and got.shape != mine.shape):
+                raise ValueError(f"pool book {name}: {got.dtype}{got.shape}, "
+                                 f"expected {mine.dtype}{mine.shape}")
+        if len({len(books[name.lstrip("_")]) for name in self._BOOKS[:7]}) != 1:
+            raise ValueError("the pool's per-arena books differ in length")
+        memfd, span = self.memfd, self.span
+        state = books["state"]
+        if int(state[SPAN]) != span:
+            raise ValueError(f"pool span {int(state[SPAN])}, expected {span}")
+        cap = len(books["a_class"])
+        if os.fstat(memfd).st_size < cap * span:
+            raise ValueError("the pool's memfd is shorter than its arena books")
+        for name in self._BOOKS:
+            setattr(self, name, books[name.lstrip("_")].copy())
+        self._state = memoryview(self.state)
+        self._state[MEMFD] = memfd
+        self._fd_box[0] = memfd  # ours from now on
+        self.arena_addr = np.zeros(cap, dtype=np.uint64)
+        for arena_id in np.flatnonzero(self._a_class >= 0).tolist():
+            size = self.classes[int(self._a_class[arena_id])].arena_size
+            addr = map_arena(memfd, arena_id * span, size)
+            self.arena_addr[arena_id] = addr
+            # Fault every page in now: the server's mlockall(MCL_FUTURE|MCL_ONFAULT) locks a
+            # page when this process faults it, and the old server, which had them locked,
+            # exits after the handover. A shared page locked by nobody could be swapped out,
+            # onto the very device this process serves. (EINVAL before Linux 5.14: skipped.)
+            _libc.madvise(addr, size, _MADV_POPULATE_READ)
+        self.on_moved()
+
+    def release(self) -> None:
+        """Unmap every arena and close the memfd WITHOUT freeing what it holds: after a
+        handover another process holds the memfd (its last holder frees it). A pool whose
+        memfd nobody else holds frees everything here too."""
+        for arena_id in self._live_ids().tolist():
+            size = self.classes[int(self._a_class[arena_id])].arena_size
+            _libc.munmap(int(self.arena_addr[arena_id]), size)
+            self.arena_addr[arena_id] = 0
+        fd = self.memfd
+        self._state[MEMFD] = -1
+        self._fd_box[0] = -1
+        if fd >= 0:
+            os.close(fd)
 
     # -- accounting ------------------------------------------------------------------
 

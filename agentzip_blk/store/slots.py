@@ -96,6 +96,24 @@ class SameWords:
                 self.words[wid] = 0
                 self._free.append(wid)
 
+    def handover_state(self) -> tuple[dict, dict[str, np.ndarray]]:
+        """Scalars and arrays for a handover (store.handover); the word -> id dict is
+        rebuilt from the arrays."""
+        return ({"next": self._next},
+                {"words": self.words.copy(), "word_refs": self.refs.copy(),
+                 "word_free": np.array(self._free, dtype=np.int64)})
+
+    def restore(self, scalars: dict, arrays: dict[str, np.ndarray]) -> None:
+        words, refs = arrays["words"], arrays["word_refs"]
+        if len(words) != len(refs) or len(words) > MAX_WORDS:
+            raise ValueError("same-fill words and counts disagree")
+        self.words = words.astype(np.uint64)
+        self.refs = refs.astype(np.uint32)
+        self._free = [int(w) for w in arrays["word_free"].tolist()]
+        self._next = int(scalars["next"])
+        held = (np.flatnonzero(self.refs[1:]) + 1).tolist()
+        self._ids = {int(self.words[w]): w for w in held}
+
     def page(self, wid: int, page_size: int) -> bytes:
         return self.words[wid : wid + 1].tobytes() * (page_size // 8)
 

@@ -170,6 +170,7 @@ def test_real_scrape_passes_promtool_check_metrics(tmp_path):
     start = samples["agentzip_start_time_seconds"][0].value
     assert before - 1 <= start <= after, (before, start, after)
     assert "agentzip_server_uptime_seconds" not in samples  # replaced, not doubled
+    assert samples["agentzip_server_restarts_total"][0].value == 0  # a fresh server
     errors = {s.labels["reason"]: s.value for s in samples["agentzip_store_errors_total"]}
     assert errors == {"io": 0, "no_space": 0, "disk_full": 0, "disk_io": 0, "checksum": 0}
     requests = {s.labels["op"]: s.value for s in samples["agentzip_requests_total"]}

@@ -1,0 +1,160 @@
+"""The FUSE front door's pause, resume and adoption of a descriptor (a restart's handover).
+
+While paused, a request waits in the kernel's queue and is answered by whoever serves the
+connection next: the same door resumed, or another door that adopted the descriptor (here in
+the same process; tests/host/test_restart_cli.py does it across processes). Both request
+paths: Python's and the native loop's (its serve() waits in epoll and stops on the byte).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+
+import pytest
+
+from agentzip_blk.datapath import native
+from agentzip_blk.datapath.fuse import FuseFile
+
+PAGE = 4096
+MiB = 1 << 20
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="needs root and /dev/fuse")
+
+
+class Mem:
+    def __init__(self, size: int) -> None:
+        self.buf = bytearray(size)
+        self.reads = 0
+
+    def readinto(self, out, offset):
+        self.reads += 1
+        out[:] = self.buf[offset:offset + len(out)]
+
+    def write(self, data, offset):
+        self.buf[offset:offset + len(data)] = data
+
+    def trim(self, offset, length):
+        self.buf[offset:offset + length] = bytes(length)
+
+    zero = trim
+
+    def flush(self):
+        pass
+
+
+def mounted(path: str) -> bool:
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == path for line in f)
+
+
+@pytest.fixture
+def mnt():
+    d = tempfile.mkdtemp(prefix="azfh-", dir="/tmp")
+    yield d
+    if mounted(d):
+        subprocess.run(["umount", "-l", d], check=False)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def read_page(path: str, page: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.pread(fd, PAGE, page * PAGE)
+    finally:
+        os.close(fd)
+
+
+def backend(path: str, data: bytes):
+    """(backend, native loop or None) holding ``data``: a bytearray for Python's path, a
+    store with the native path's lock for the native loop."""
+    if path == "python":
+        mem = Mem(len(data))
+        mem.buf[:] = data
+        return mem, None
+    if not native.available():
+        pytest.skip(native.MISSING)
+    from nativeharness import native_store
+
+    store = native_store(size=len(data))
+    store.write(data, 0)
+    return store, native.NativePath(store)
+
+
+def close(backend_and_loop) -> None:
+    store, loop = backend_and_loop
+    if loop is not None:
+        loop.close()
+        store.close()
+
+
+PATHS = ["python", "native"]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_paused_door_queues_requests_and_a_resumed_one_answers_them(mnt, path):
+    data = os.urandom(MiB)
+    be = backend(path, data)
+    door = FuseFile(mnt, MiB, be[0], threads=3, native=be[1])
+    door.start()
+    try:
+        assert read_page(door.path, 3) == data[3 * PAGE:4 * PAGE]
+        door.pause()
+        assert not door.alive
+        got: list[bytes] = []
+        t = threading.Thread(target=lambda: got.append(read_page(door.path, 3)), daemon=True)
+        t.start()
+        time.sleep(0.5)
+        assert got == [] and t.is_alive()  # waiting in the kernel's queue, not failed
+        door.resume()
+        t.join(10)
+        assert got == [data[3 * PAGE:4 * PAGE]]
+        assert door.stats.errors == 0
+    finally:
+        door.stop()
+        close(be)
+    assert not mounted(mnt)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_another_door_adopts_the_descriptor_and_answers_the_queue(mnt, path):
+    old_data, new_data = os.urandom(MiB), os.urandom(MiB)
+    old_be, new_be = backend(path, old_data), backend(path, new_data)
+    old = FuseFile(mnt, MiB, old_be[0], threads=2, native=old_be[1])
+    old.start()
+    new = None
+    try:
+        assert read_page(old.path, 7) == old_data[7 * PAGE:8 * PAGE]
+        old.pause()
+        got: dict[int, bytes] = {}
+        readers = [threading.Thread(target=lambda p=p: got.update({p: read_page(old.path, p)}),
+                                    daemon=True) for p in range(8)]
+        for t in readers:
+            t.start()
+        time.sleep(0.3)
+        assert got == {}
+        fd = os.dup(old.descriptor)
+        conn = old.connection
+        old.hand_over()
+        old.stop()  # closes only its own descriptor: no unmount, no abort
+        assert mounted(mnt)
+        # the next server, with other bytes, so that the answers say who gave them
+        new = FuseFile(mnt, MiB, new_be[0], threads=2, native=new_be[1])
+        new.adopt(fd, conn)
+        for t in readers:
+            t.join(10)
+        assert got == {p: new_data[p * PAGE:(p + 1) * PAGE] for p in range(8)}
+        assert read_page(new.path, 200) == new_data[200 * PAGE:201 * PAGE]
+        assert new.stats.errors == 0
+    finally:
+        if new is not None:
+            new.stop()
+        old.stop()
+        close(old_be)
+        close(new_be)
+    assert not mounted(mnt)
