@@ -43,6 +43,7 @@ import xxhash
 from ..codec import codecs
 from ..codec.dictionaries.registry import LoadedDict
 from ..errors import StoreError
+from . import accounting
 from .dedup import PageHasher
 from .disk import DiskTier
 from .pool import IDS, PoolFull
@@ -428,6 +429,14 @@ def _restore_books(store: PageStore, header: dict, arrays: dict[str, np.ndarray]
     for name, value in header["counters"].items():
         if hasattr(store.counters, name):
             setattr(store.counters, name, value)
+    # what the old server's native path counted goes on here (its successor counts from
+    # zero): the stats' request counters never go back at a restart
+    internal = {stats: name for name, stats in accounting.STATS_NAMES.items()}
+    for key in accounting.OUTSIDE_COUNTERS:
+        name = internal.get(key, key)
+        value = header.get("outside", {}).get(key, 0)
+        if hasattr(store.counters, name) and isinstance(value, int):
+            setattr(store.counters, name, getattr(store.counters, name) + value)
     rec = store.recompressor
     rec.pages_total = header["recompressor"]["pages_total"]
     rec.cpu_seconds = header["recompressor"]["cpu_seconds"]

@@ -449,3 +449,34 @@ def test_the_exporter_and_its_successor_never_share_a_nonce(tmp_path, filled):
     assert gap == HANDOVER_GAP
     adopted.release()
     store.close()
+
+
+@pytest.mark.skipif(not native.available(), reason=native.MISSING or "built")
+def test_the_native_paths_request_counters_go_on_in_the_adopter(tmp_path):
+    """The native path counts its requests apart (PageStore.outside): what the old server's
+    counted is carried into the adopter's counters, so that stats never go back at a restart."""
+    from nativeharness import NativeRequests
+
+    config = make_config(tmp_path)
+    config.pool.max_size = 64 << 20
+    lock = native.make_lock(native.Choice("native", "test"))
+    store = PageStore.from_config(config.device.size, config, lock=lock)
+    path = native.NativePath(store)
+    door = NativeRequests(store, path)
+    rnd = random.Random(8)
+    for first in range(0, 256, 16):
+        door.write(b"".join(text_page(rnd) for _ in range(16)), first * PAGE)
+    assert door.native_writes > 0
+    before = store.stats()
+    assert before["writes"] >= door.native_writes
+    door.close()
+    path.close()
+    exported = store.export()
+    adopted = PageStore.adopt(config.device.size, config, exported)
+    try:
+        after = adopted.stats()
+        for key in ("writes", "bytes_written", "reads", "bytes_read"):
+            assert after[key] == before[key], key
+    finally:
+        adopted.release()
+        store.close()
