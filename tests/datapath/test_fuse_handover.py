@@ -32,11 +32,11 @@ class Mem:
         self.buf = bytearray(size)
         self.reads = 0
 
-    def readinto(self, out, offset):
+    def pread(self, out, offset):
         self.reads += 1
         out[:] = self.buf[offset:offset + len(out)]
 
-    def write(self, data, offset):
+    def pwrite(self, data, offset):
         self.buf[offset:offset + len(data)] = data
 
     def trim(self, offset, length):
@@ -70,6 +70,28 @@ def read_page(path: str, page: int) -> bytes:
         os.close(fd)
 
 
+class StoreDoor:
+    """A store behind the door's request interface (what datapath.server.Server is)."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+
+    def pread(self, out, offset):
+        self.store.readinto(out, offset)
+
+    def pwrite(self, data, offset):
+        self.store.write(data, offset)
+
+    def trim(self, offset, length):
+        self.store.trim(offset, length)
+
+    def zero(self, offset, length):
+        self.store.zero(offset, length)
+
+    def flush(self):
+        self.store.flush()
+
+
 def backend(path: str, data: bytes):
     """(backend, native loop or None) holding ``data``: a bytearray for Python's path, a
     store with the native path's lock for the native loop."""
@@ -83,14 +105,14 @@ def backend(path: str, data: bytes):
 
     store = native_store(size=len(data))
     store.write(data, 0)
-    return store, native.NativePath(store)
+    return StoreDoor(store), native.NativePath(store)
 
 
 def close(backend_and_loop) -> None:
-    store, loop = backend_and_loop
+    door, loop = backend_and_loop
     if loop is not None:
         loop.close()
-        store.close()
+        door.store.close()
 
 
 PATHS = ["python", "native"]

@@ -159,7 +159,7 @@ def test_a_store_adopted_by_another_process_reads_back_every_byte_and_goes_on(tm
     assert after["writes"] > before["writes"] and after["reads"] > before["reads"]
     assert after["recompressed_pages"] > before["recompressed_pages"]
     assert after["demotions"] + after["direct_to_disk"] > before["demotions"] + before["direct_to_disk"]
-    assert after["compactions"] + after["units_rewritten"] > before["compactions"] + before["units_rewritten"]
+    assert after["compactions"] + after["frames_rewritten"] > before["compactions"] + before["frames_rewritten"]
     # the adopter closed (and removed) the tier file at its end, as a server that stops does
     assert not os.path.exists(config.pool.swap_out_path)
 
