@@ -50,7 +50,7 @@ def _ours(st: dict) -> dict:
         "rotational": {True: "yes", False: "no"}.get(lp.get("rotational")),
         "file": mnt.get("file"), "mounted": {True: "yes", False: "no"}.get(mnt.get("mounted")),
         "nbdfuse": fz.get("pid"), "plugin": srv.get("plugin"), "run_dir": st["run_dir"],
-        "version": srv.get("version"),
+        "version": srv.get("version"), "restarts": srv.get("restarts"),
         "started": (time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(srv["started"]))
                     if isinstance(srv.get("started"), (int, float)) else None),
     }
@@ -85,6 +85,8 @@ STATUS = Table([
     Column("VERSION", "the agentzip-blk version the server runs (from its health reply)",
            key("version"), default=False),
     Column("STARTED", "when the server started (local time)", key("started"), default=False),
+    Column("RESTARTS", "restarts without swapoff the device's store went through "
+           "(agentzip-blk restart)", key("restarts"), INT, default=False),
 ])
 
 EXAMPLES = f"""\

@@ -78,6 +78,7 @@ def status(run_dir: str | None = None, *, config=None,
             out["server"]["version"] = running
             if out["health"]["nbdkit"].get("started") is not None:
                 out["server"]["started"] = out["health"]["nbdkit"]["started"]
+            out["server"]["restarts"] = out["health"]["nbdkit"].get("restarts")
             if out["health"]["nbdkit"].get("responsive") and running != __version__:
                 warnings.append(version_warning(running, out["server"]["started"]))
         out["server"]["oom_protected"] = state.oom_protected
@@ -147,6 +148,8 @@ def health(state: RunState, timeout: float = HEALTH_TIMEOUT) -> dict:
                 # the code the server runs; None from a server older than the key
                 srv["version"] = reply.get("version")
                 srv["started"] = reply.get("started")
+                # handovers without swapoff this store went through (agentzip-blk restart)
+                srv["restarts"] = reply.get("restarts")
                 srv["memory_locked"] = reply.get("memory_locked")  # None: an older server
                 srv["memory_lock_error"] = reply.get("memory_lock_error")
             except control.ControlError as exc:

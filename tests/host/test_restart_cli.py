@@ -169,6 +169,9 @@ def test_restart_ten_times_under_a_faulting_workload(tmp_path):
 
         stats = json.loads(cli("--config", str(cfg), "stats", "--json").stdout)
         assert stats["server"]["restarts"] == 10
+        table = cli("--config", str(cfg), "status", "-o", "NAME,RESTARTS", "--raw", "-n").stdout
+        assert table.split()[-1] == "10", table
+        assert status(cfg)["server"]["restarts"] == 10
         assert stats["server"]["pid"] == pids[-1]
         shown = cli("--config", str(cfg), "config", "show").stdout
         running = Path(run_dir, "config.yaml").read_text()
