@@ -36,6 +36,7 @@ import numpy as np
 
 from agentzip_blk.config import Config
 from agentzip_blk.host import attach
+from bench.harness.blockio import agent_pages
 
 PAGE = 4096
 MiB = 1 << 20
@@ -54,15 +55,6 @@ while time.monotonic() < end:
     off = (off + (1 << 20)) % span
 print(written, flush=True)
 """
-
-
-def agent_pages(size: int, seed: int = 1) -> bytes:
-    rnd = random.Random(seed)
-    words = [b'"role"', b'"tool"', b"result", b"\\n", b"value", b"error", b"{", b"}", b"def"]
-    out = bytearray()
-    while len(out) < size:
-        out += rnd.choice(words) + str(rnd.randrange(10**6)).encode() + b" "
-    return bytes(out[:size])
 
 
 def write_direct(path: str, data: bytes) -> None:
