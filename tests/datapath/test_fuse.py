@@ -34,6 +34,7 @@ from agentzip_blk.datapath import control, native
 from agentzip_blk.datapath.fuse import FuseFile
 from agentzip_blk.errors import OutOfRange, StoreFull
 from agentzip_blk.host import facts
+from cliswap import leave_nothing, squeezed_workload, stop_workload
 from nbdkit_server import nbdkit_available, start_server
 
 PAGE = 4096
@@ -412,9 +413,6 @@ def _cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("datapath,warm", [("auto", "none"), ("native", "lz4")])
 def test_cli_up_swap_down_in_separate_processes_with_fuse(tmp_path, datapath, warm):
     """The defaults, and the native request path serving warm pages: every byte back."""
-    from agentzip_blk.cgroups.fs import MemoryCgroup
-    from agentzip_blk.host import attach, runstate
-
     if datapath == "native" and not native.available():
         pytest.skip(native.MISSING)
     if procfs.swaps():
@@ -440,32 +438,14 @@ def test_cli_up_swap_down_in_separate_processes_with_fuse(tmp_path, datapath, wa
         table = _cli("--config", str(cfg), "status", "-o", "NAME,DATAPATH", "--raw", "-n").stdout
         assert expected in table
 
-        cg = MemoryCgroup.create(f"azt-fusecli-{os.getpid()}")
-        cg.allow_swap()
-        procs = cg.file("cgroup.procs")
-
-        def join():
-            with open(procs, "w") as f:
-                f.write(str(os.getpid()))
-
-        proc = subprocess.Popen([sys.executable, "-c", WORKLOAD, "96"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True, preexec_fn=join)
-        ready = proc.stdout.readline().split()
-        assert ready and ready[0] == "READY"
-        cg.set_limit(32 * MiB)
-        deadline = time.monotonic() + 60
-        while cg.swap_usage() < 48 * MiB and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert cg.swap_usage() >= 48 * MiB, "the workload did not swap"
+        cg, proc = squeezed_workload(f"azt-fusecli-{os.getpid()}", WORKLOAD, ["96"],
+                                     limit=32 * MiB, swapped=48 * MiB)
         proc.stdin.write("VERIFY\n")
         proc.stdin.flush()
         assert proc.stdout.readline().strip() == "OK"  # every byte back through swap
         assert cg.oom_kills() == 0
-        proc.kill()
-        proc.wait()
-        proc = None
-        cg.remove()
-        cg = None
+        stop_workload(proc, cg)
+        proc = cg = None
         stats = json.loads(_cli("--config", str(cfg), "stats", "--json").stdout)
         door = stats["server"]["fuse"]
         assert door["writes"] > 0 and door["reads"] > 0 and door["errors"] == 0
@@ -479,16 +459,8 @@ def test_cli_up_swap_down_in_separate_processes_with_fuse(tmp_path, datapath, wa
         assert r.returncode == 0, r.stderr
         assert "detached" in r.stdout
     finally:
-        if proc is not None:
-            proc.kill()
-            proc.wait()
-        if cg is not None:
-            cg.remove()
-        if runstate.RunState.load(run_dir) is not None:
-            attach.down(run_dir, force=True)
-        with open("/proc/mounts") as f:
-            left = [line for line in f if run_dir in line]
-        shutil.rmtree(run_dir, ignore_errors=True)
+        stop_workload(proc, cg)
+        left = leave_nothing(run_dir)
     assert left == []
     assert [a for a in procfs.swaps() if "loop" in a.filename] == []
 

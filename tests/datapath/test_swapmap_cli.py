@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ import pytest
 from agentzip_blk import procfs
 from agentzip_blk.datapath import swapmap
 from agentzip_blk.host import facts
+from cliswap import leave_nothing, squeezed_workload, stop_workload
 from nbdkit_server import nbdkit_available
 
 MiB = 1 << 20
@@ -77,8 +77,7 @@ def _area_used_pages(device: str) -> int:
                     reason="agentzip-blk is not installed in this venv (./setup.sh)")
 @pytest.mark.skipif(facts.nbd_kernel_available(), reason="kernel nbd host")
 def test_the_server_forgets_what_the_kernel_freed_and_keeps_the_rest(tmp_path):
-    from agentzip_blk.cgroups.fs import MemoryCgroup
-    from agentzip_blk.host import attach, runstate
+    from agentzip_blk.host import runstate
 
     if procfs.swaps():
         pytest.skip("another swap area is active; this test must own swap")
@@ -99,22 +98,8 @@ def test_the_server_forgets_what_the_kernel_freed_and_keeps_the_rest(tmp_path):
             assert str(exc).split(":")[0] in status  # the server says why, in one line
             pytest.skip(f"the kernel's swap map cannot be read here: {exc}")
 
-        cg = MemoryCgroup.create(f"azt-swapmap-{os.getpid()}")
-        cg.allow_swap()
-        procs = cg.file("cgroup.procs")
-
-        def join():
-            with open(procs, "w") as f:
-                f.write(str(os.getpid()))
-
-        proc = subprocess.Popen([sys.executable, "-c", WORKLOAD, "64"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True, preexec_fn=join)
-        assert proc.stdout.readline().strip() == "READY"
-        cg.set_limit(40 * MiB)
-        deadline = time.monotonic() + 60
-        while cg.swap_usage() < 80 * MiB and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert cg.swap_usage() >= 80 * MiB, "the workload did not swap"
+        cg, proc = squeezed_workload(f"azt-swapmap-{os.getpid()}", WORKLOAD, ["64"],
+                                     limit=40 * MiB, swapped=80 * MiB)
         proc.stdin.write("DROP\n")
         proc.stdin.flush()
         assert proc.stdout.readline().strip() == "DROPPED"
@@ -133,23 +118,12 @@ def test_the_server_forgets_what_the_kernel_freed_and_keeps_the_rest(tmp_path):
         proc.stdin.flush()
         assert proc.stdout.readline().strip() == "OK"  # what the kernel still needed is exact
         assert cg.oom_kills() == 0
-        proc.kill()
-        proc.wait()
-        proc = None
-        cg.remove()
-        cg = None
+        stop_workload(proc, cg)
+        proc = cg = None
         r = _cli("--config", str(cfg), "down")
         assert r.returncode == 0, r.stderr
     finally:
-        if proc is not None:
-            proc.kill()
-            proc.wait()
-        if cg is not None:
-            cg.remove()
-        if runstate.RunState.load(run_dir) is not None:
-            attach.down(run_dir, force=True)
-        with open("/proc/mounts") as f:
-            left = [line for line in f if run_dir in line]
-        shutil.rmtree(run_dir, ignore_errors=True)
+        stop_workload(proc, cg)
+        left = leave_nothing(run_dir)
     assert left == []
     assert [a for a in procfs.swaps() if "loop" in a.filename] == []

@@ -23,6 +23,7 @@ import pytest
 
 from agentzip_blk import procfs
 from agentzip_blk.host import facts
+from cliswap import leave_nothing, squeezed_workload, stop_workload
 from nbdkit_server import nbdkit_available
 
 MiB = 1 << 20
@@ -38,7 +39,8 @@ pytestmark = [
 ]
 
 # A heap of distinct, compressible 1 MiB blocks; VERIFY re-reads all of it (every page
-# faults back through the device) and answers OK or BAD.
+# faults back through the device) and answers OK or BAD. (bench/restart.py's workload times
+# its touches instead: a bench does not import the tests.)
 WORKLOAD = r"""
 import hashlib, sys
 mb = int(sys.argv[1])
@@ -112,9 +114,6 @@ def status(cfg: Path) -> dict:
 
 
 def test_restart_ten_times_under_a_faulting_workload(tmp_path):
-    from agentzip_blk.cgroups.fs import MemoryCgroup
-    from agentzip_blk.host import attach, runstate
-
     if procfs.swaps():
         pytest.skip("another swap area is active; this test must own swap")
     run_dir = tempfile.mkdtemp(prefix="azrs-", dir="/tmp")
@@ -127,22 +126,8 @@ def test_restart_ten_times_under_a_faulting_workload(tmp_path):
         first = status(cfg)
         device, pid = first["state"]["device"], first["state"]["nbdkit_pid"]
 
-        cg = MemoryCgroup.create(f"azt-restart-{os.getpid()}")
-        cg.allow_swap()
-        procs = cg.file("cgroup.procs")
-
-        def join():
-            with open(procs, "w") as f:
-                f.write(str(os.getpid()))
-
-        proc = subprocess.Popen([sys.executable, "-c", WORKLOAD, "96"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True, preexec_fn=join)
-        assert proc.stdout.readline().strip() == "READY"
-        cg.set_limit(32 * MiB)
-        deadline = time.monotonic() + 60
-        while cg.swap_usage() < 48 * MiB and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert cg.swap_usage() >= 48 * MiB, "the workload did not swap"
+        cg, proc = squeezed_workload(f"azt-restart-{os.getpid()}", WORKLOAD, ["96"],
+                                     limit=32 * MiB, swapped=48 * MiB)
         area = procfs.swap_area(device)
         assert area is not None
 
@@ -199,27 +184,16 @@ def test_restart_ten_times_under_a_faulting_workload(tmp_path):
         assert not [f for f in os.listdir(run_dir) if ".next" in f or f == "handover.sock"]
         assert "injected" in Path(run_dir, "nbdkit.restart-failed.log").read_text()
 
-        proc.kill()
-        proc.wait()
-        proc = None
-        cg.remove()
-        cg = None
+        stop_workload(proc, cg)
+        proc = cg = None
         print(f"{time.monotonic() - t_start:.1f}s before down")
         r = cli("--config", str(cfg), "down")
         print(f"{time.monotonic() - t_start:.1f}s after down")
         assert r.returncode == 0, r.stderr
         assert "detached" in r.stdout
     finally:
-        if proc is not None:
-            proc.kill()
-            proc.wait()
-        if cg is not None:
-            cg.remove()
-        if runstate.RunState.load(run_dir) is not None:
-            attach.down(run_dir, force=True)
-        with open("/proc/mounts") as f:
-            left = [line for line in f if run_dir in line]
-        shutil.rmtree(run_dir, ignore_errors=True)
+        stop_workload(proc, cg)
+        left = leave_nothing(run_dir)
     assert left == []
     assert [a for a in procfs.swaps() if "loop" in a.filename] == []
 

@@ -1,0 +1,64 @@
+"""What the tests that drive the installed CLI with a workload in swap share: a workload in
+a memory cgroup below ours, squeezed until part of it is swapped out, and the teardown in the
+safe order (the workload, its cgroup, then `down --force` of whatever is still up)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+from agentzip_blk.cgroups.fs import MemoryCgroup
+
+
+def squeezed_workload(name: str, script: str, args: list[str], limit: int, swapped: int,
+                      timeout: float = 60.0) -> tuple[MemoryCgroup, subprocess.Popen]:
+    """Start ``script`` (a Python program that prints READY once its heap is built) in a new
+    cgroup ``name``, limit the cgroup to ``limit`` bytes and wait until ``swapped`` bytes of
+    it are in swap. Returns the cgroup and the process (stdin and stdout are text pipes)."""
+    cg = MemoryCgroup.create(name)
+    proc = None
+    try:
+        cg.allow_swap()
+        procs = cg.file("cgroup.procs")
+
+        def join():
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+
+        proc = subprocess.Popen([sys.executable, "-c", script, *args], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, preexec_fn=join)
+        ready = proc.stdout.readline().split()
+        assert ready and ready[0] == "READY", ready
+        cg.set_limit(limit)
+        deadline = time.monotonic() + timeout
+        while cg.swap_usage() < swapped and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert cg.swap_usage() >= swapped, "the workload did not swap"
+        return cg, proc
+    except BaseException:
+        stop_workload(proc, cg)
+        raise
+
+
+def stop_workload(proc: subprocess.Popen | None, cg: MemoryCgroup | None) -> None:
+    if proc is not None:
+        proc.kill()
+        proc.wait()
+    if cg is not None:
+        cg.remove()
+
+
+def leave_nothing(run_dir: str) -> list[str]:
+    """After the workloads are gone: `down --force` of a device still up in ``run_dir``,
+    the run directory removed; returns the mounts left under it (a test asserts none)."""
+    from agentzip_blk.host import attach, runstate
+
+    if runstate.RunState.load(run_dir) is not None:
+        attach.down(run_dir, force=True)
+    with open("/proc/mounts") as f:
+        left = [line for line in f if run_dir in line]
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return left
