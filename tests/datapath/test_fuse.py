@@ -35,6 +35,7 @@ from agentzip_blk.datapath.fuse import FuseFile
 from agentzip_blk.errors import OutOfRange, StoreFull
 from agentzip_blk.host import facts
 from cliswap import leave_nothing, squeezed_workload, stop_workload
+from fusemem import Mem
 from nbdkit_server import nbdkit_available, start_server
 
 PAGE = 4096
@@ -57,26 +58,6 @@ def fallocate(fd: int, mode: int, offset: int, length: int) -> None:
 def mounted(path: str) -> bool:
     with open("/proc/self/mountinfo") as f:
         return any(line.split()[4] == path for line in f)
-
-
-class Mem:
-    def __init__(self, size: int) -> None:
-        self.buf = bytearray(size)
-        self.flushes = 0
-
-    def pread(self, out, offset):
-        out[:] = self.buf[offset:offset + len(out)]
-
-    def pwrite(self, data, offset):
-        self.buf[offset:offset + len(data)] = data
-
-    def trim(self, offset, length):
-        self.buf[offset:offset + length] = bytes(length)
-
-    zero = trim
-
-    def flush(self):
-        self.flushes += 1
 
 
 def aligned(data: bytes) -> mmap.mmap:

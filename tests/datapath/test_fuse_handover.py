@@ -19,33 +19,13 @@ import pytest
 
 from agentzip_blk.datapath import native
 from agentzip_blk.datapath.fuse import FuseFile
+from fusemem import Mem
 
 PAGE = 4096
 MiB = 1 << 20
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="needs root and /dev/fuse")
-
-
-class Mem:
-    def __init__(self, size: int) -> None:
-        self.buf = bytearray(size)
-        self.reads = 0
-
-    def pread(self, out, offset):
-        self.reads += 1
-        out[:] = self.buf[offset:offset + len(out)]
-
-    def pwrite(self, data, offset):
-        self.buf[offset:offset + len(data)] = data
-
-    def trim(self, offset, length):
-        self.buf[offset:offset + length] = bytes(length)
-
-    zero = trim
-
-    def flush(self):
-        pass
 
 
 def mounted(path: str) -> bool:
