@@ -12,6 +12,24 @@ import time
 
 from agentzip_blk.cgroups.fs import MemoryCgroup
 
+# A heap of distinct, compressible 1 MiB blocks (argv[1] of them); it prints READY and the
+# heap's digest, then VERIFY re-reads all of it (every swapped page faults back through the
+# device) and answers OK or BAD.
+HEAP_WORKLOAD = r"""
+import hashlib, sys
+mb = int(sys.argv[1])
+blocks = []
+for i in range(mb):
+    line = b"%08d {'role': 'tool', 'content': 'agentzip fuse front door'} " % i
+    blocks.append(bytearray((line * (1 + (1 << 20) // len(line)))[: 1 << 20]))
+digest = hashlib.sha256(b"".join(blocks)).hexdigest()
+print("READY", digest, flush=True)
+for cmd in sys.stdin:
+    if cmd.strip() == "VERIFY":
+        print("OK" if hashlib.sha256(b"".join(blocks)).hexdigest() == digest else "BAD",
+              flush=True)
+"""
+
 
 def squeezed_workload(name: str, script: str, args: list[str], limit: int, swapped: int,
                       timeout: float = 60.0) -> tuple[MemoryCgroup, subprocess.Popen]:

@@ -14,8 +14,9 @@ Python (BENCHMARKS.md, "Front doors"), because:
 - a single file needs a dozen opcodes, and the measured round trip of this loop is close to
   the C floor (tools/bench_frontdoor.py, BENCHMARKS.md "Front doors").
 
-Threads: ``threads`` workers block in read(2) on the one /dev/fuse descriptor; the kernel
-hands each request to one of them. They release the GIL in read/write and call the backend:
+Threads: ``threads`` workers read the one /dev/fuse descriptor (non-blocking; each waits in
+an epoll set of its own while the queue is empty, see "Pause" below); the kernel hands each
+request to one of them. They release the GIL in read/write and call the backend:
 in the server, `datapath.server.Server`, the request path the nbdkit plugin calls too (its
 latency histograms, per-thread protection; the store has its own lock). With the native path
 (`datapath.native`) a worker's read(2) happens in C, which serves what it can and hands the

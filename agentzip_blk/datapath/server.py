@@ -394,7 +394,8 @@ class Server:
         """A restart (`agentzip-blk restart`): give the store and the FUSE connection to the
         new server listening on request["to"] as pid request["pid"] (datapath.handover).
         The FUSE workers and the maintainer pause; requests wait in the kernel's queue. On
-        any failure before the new server's "ready" they resume and the reply says why."""
+        any failure before "go" they resume, and the reply says so: handed_over false and
+        why (a result, not an error: this server serves on)."""
         to, pid = request.get("to"), request.get("pid")
         if not isinstance(to, str) or not isinstance(pid, int) or isinstance(pid, bool):
             raise ValueError('"to" must be a socket path and "pid" a process id')
@@ -428,18 +429,20 @@ class Server:
                       "fuse_connection": self.fuse.connection}
             giver.offer(handover.Offer(header, [self.fuse.descriptor, *exported.fds]))
             giver.verdict()
-        except BaseException as exc:
+            # the new server serves once it reads this: never resume after it is sent (a
+            # "go" that cannot be sent was not read: the new server exits without serving)
+            giver.go()
+        except Exception as exc:
             giver.close()
             self.maintainer = Maintainer(self.store)
             self.maintainer.start()
             self.fuse.resume()
             _say(f"agentzip: handover to pid {pid} failed, serving on: {exc}")
-            raise ValueError(f"handover failed, the old server serves on: {exc}") from None
+            return {"pid": os.getpid(), "handed_over": False, "why": str(exc)}
         finally:
             if exported is not None:
                 for fd in exported.fds:  # duplicates: the store keeps its own
                     os.close(fd)
-        giver.go()  # from here on the new server serves: never resume
         giver.close()
         self.handed_over = True
         self.fuse.hand_over()
@@ -447,7 +450,8 @@ class Server:
         _say(f"agentzip: handed over to pid {pid} after {paused_ms:.0f} ms; exiting")
         if self.guard is not None:
             threading.Timer(0.2, self.guard.stop).start()  # after this reply is sent
-        return {"pid": os.getpid(), "to_pid": pid, "paused_ms": round(paused_ms, 1)}
+        return {"pid": os.getpid(), "handed_over": True, "to_pid": pid,
+                "paused_ms": round(paused_ms, 1)}
 
     def _swap_over_our_file(self) -> str | None:
         """A swap area in /proc/swaps that is a loop device backed by our FUSE file."""

@@ -83,12 +83,9 @@ def _handover(state: RunState, config, timeout: float) -> Restarted:
     run_dir = state.run_dir
     t0 = time.monotonic()
     nbd_name = NBD_SOCKETS[os.path.basename(state.nbd_socket) == NBD_SOCKETS[0]]
-    paths = {name: os.path.join(run_dir, name)
-             for name in (NEXT_PIDFILE, NEXT_LOG, nbd_name, HANDOVER_SOCKET)}
-    for p in paths.values():
-        if p != paths[NEXT_LOG]:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(p)
+    staged = (NEXT_PIDFILE, nbd_name, HANDOVER_SOCKET)  # a restart that died midway left them
+    paths = {name: os.path.join(run_dir, name) for name in (*staged, NEXT_LOG)}
+    _remove(run_dir, staged)
     config_path, digest = write_effective_config(config, run_dir, NEXT_CONFIG)
     # the installed code's plugin (a .deb upgrade may have moved it), or AGENTZIP_PLUGIN
     plugin = default_plugin_path()
@@ -103,20 +100,17 @@ def _handover(state: RunState, config, timeout: float) -> Restarted:
     handed = False
     try:
         _wait_for(proc, paths[HANDOVER_SOCKET], timeout, paths[NEXT_LOG])
-        try:
-            reply = server_request(state, "handover", timeout, to=paths[HANDOVER_SOCKET],
-                                   pid=proc.pid)
-        except DeviceError as exc:
+        reply = server_request(state, "handover", timeout, to=paths[HANDOVER_SOCKET],
+                               pid=proc.pid)
+        if not reply.get("handed_over"):
             raise DeviceError(f"restart refused, the old server (pid {old_pid}) serves on: "
-                              f"{_reason(exc, paths[NEXT_LOG])}") from None
+                              f"{reply.get('why')}")
         handed = True
         _wait_serving(proc, state, paths[NEXT_PIDFILE], timeout, paths[NEXT_LOG])
     except BaseException:
         if not handed:  # it never served: nothing of it is worth keeping
             _kill(proc)
-            for name in (NEXT_PIDFILE, nbd_name, HANDOVER_SOCKET, NEXT_CONFIG):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(run_dir, name))
+            _remove(run_dir, (*staged, NEXT_CONFIG))
             with contextlib.suppress(FileNotFoundError):  # why it failed, for the operator
                 os.replace(paths[NEXT_LOG], os.path.join(run_dir, FAILED_LOG))
         raise
@@ -174,18 +168,18 @@ def _wait_serving(proc, state: RunState, pidfile: str, timeout: float, log: str)
         time.sleep(0.02)
 
 
-def _reason(exc: Exception, log: str) -> str:
-    text = str(exc)
-    # the old server's reply says why; the control error wraps it in its own words
-    return text.split("handover failed, the old server serves on: ")[-1].split("; log ")[0]
-
-
 def _last_error(log: str) -> str:
     lines = [ln for ln in tail(log, 20).splitlines() if ln.strip()]
     for line in reversed(lines):
         if "agentzip" in line or "Error" in line:
             return line.strip()
     return lines[-1].strip() if lines else "no log"
+
+
+def _remove(run_dir: str, names) -> None:
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(run_dir, name))
 
 
 def _kill(proc) -> None:

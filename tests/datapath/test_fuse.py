@@ -34,7 +34,7 @@ from agentzip_blk.datapath import control, native
 from agentzip_blk.datapath.fuse import FuseFile
 from agentzip_blk.errors import OutOfRange, StoreFull
 from agentzip_blk.host import facts
-from cliswap import leave_nothing, squeezed_workload, stop_workload
+from cliswap import HEAP_WORKLOAD, leave_nothing, squeezed_workload, stop_workload
 from fusemem import Mem
 from nbdkit_server import nbdkit_available, start_server
 
@@ -364,21 +364,6 @@ def test_loop_device_over_the_door_passes_fio_verify(tmp_path):
 
 # -- what the operator runs: three processes --------------------------------------------------
 
-WORKLOAD = r"""
-import hashlib, sys
-mb = int(sys.argv[1])
-blocks = []
-for i in range(mb):
-    line = b"%08d {'role': 'tool', 'content': 'agentzip fuse front door'} " % i
-    blocks.append(bytearray((line * (1 + (1 << 20) // len(line)))[: 1 << 20]))
-digest = hashlib.sha256(b"".join(blocks)).hexdigest()
-print("READY", digest, flush=True)
-for cmd in sys.stdin:
-    if cmd.strip() == "VERIFY":
-        print("OK" if hashlib.sha256(b"".join(blocks)).hexdigest() == digest else "BAD",
-              flush=True)
-"""
-
 
 def _cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     exe = Path(sys.executable).with_name("agentzip-blk")
@@ -419,7 +404,7 @@ def test_cli_up_swap_down_in_separate_processes_with_fuse(tmp_path, datapath, wa
         table = _cli("--config", str(cfg), "status", "-o", "NAME,DATAPATH", "--raw", "-n").stdout
         assert expected in table
 
-        cg, proc = squeezed_workload(f"azt-fusecli-{os.getpid()}", WORKLOAD, ["96"],
+        cg, proc = squeezed_workload(f"azt-fusecli-{os.getpid()}", HEAP_WORKLOAD, ["96"],
                                      limit=32 * MiB, swapped=48 * MiB)
         proc.stdin.write("VERIFY\n")
         proc.stdin.flush()

@@ -23,7 +23,7 @@ import pytest
 
 from agentzip_blk import procfs
 from agentzip_blk.host import facts
-from cliswap import leave_nothing, squeezed_workload, stop_workload
+from cliswap import HEAP_WORKLOAD, leave_nothing, squeezed_workload, stop_workload
 from nbdkit_server import nbdkit_available
 
 MiB = 1 << 20
@@ -38,23 +38,6 @@ pytestmark = [
     pytest.mark.skipif(facts.nbd_kernel_available(), reason="kernel nbd host"),
 ]
 
-# A heap of distinct, compressible 1 MiB blocks; VERIFY re-reads all of it (every page
-# faults back through the device) and answers OK or BAD. (bench/restart.py's workload times
-# its touches instead: a bench does not import the tests.)
-WORKLOAD = r"""
-import hashlib, sys
-mb = int(sys.argv[1])
-blocks = []
-for i in range(mb):
-    line = b"%08d {'role': 'tool', 'content': 'agentzip restart'} " % i
-    blocks.append(bytearray((line * (1 + (1 << 20) // len(line)))[: 1 << 20]))
-digest = hashlib.sha256(b"".join(blocks)).hexdigest()
-print("READY", flush=True)
-for cmd in sys.stdin:
-    if cmd.strip() == "VERIFY":
-        print("OK" if hashlib.sha256(b"".join(blocks)).hexdigest() == digest else "BAD",
-              flush=True)
-"""
 
 # a plugin whose store never passes its check: the new server of a failed restart
 FAILING_PLUGIN = r"""
@@ -126,7 +109,7 @@ def test_restart_ten_times_under_a_faulting_workload(tmp_path):
         first = status(cfg)
         device, pid = first["state"]["device"], first["state"]["nbdkit_pid"]
 
-        cg, proc = squeezed_workload(f"azt-restart-{os.getpid()}", WORKLOAD, ["96"],
+        cg, proc = squeezed_workload(f"azt-restart-{os.getpid()}", HEAP_WORKLOAD, ["96"],
                                      limit=32 * MiB, swapped=48 * MiB)
         area = procfs.swap_area(device)
         assert area is not None
