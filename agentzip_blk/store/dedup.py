@@ -281,6 +281,24 @@ class DedupIndex:
         self.unindexed -= 1
         return False
 
+    def repoint(self, key: int, old: int, new: int) -> None:
+        """The entry of `key` naming `old` names `new` from now on (a blob moved to another
+        row, Objects.renumber). Same key, same position: nothing is removed or added, so an
+        entry that was never indexed stays counted in `unindexed`."""
+        fps, cap = self._fpv, self._cap
+        fp = fingerprint(key)
+        pos = (key * cap) >> 32
+        for _ in range(MAX_PROBE):
+            k = fps[pos]
+            if k == _EMPTY:
+                return
+            if k == fp and self._valv[pos] == old:
+                self._valv[pos] = new
+                return
+            pos += 1
+            if pos == cap:
+                pos = 0
+
     # -- resizing --------------------------------------------------------------------
 
     def wanted(self) -> int | None:

@@ -215,9 +215,7 @@ class Objects:
         moved = blobs.move_down([b for b in ids if blobs.tier[b] == POOL])
         for old, new in moved.items():
             for sub in range(int(blobs.pages[new])):
-                key = int(blobs.members[new, sub])
-                if self.index.remove(key, pack(old, sub)):
-                    self.index.insert(key, pack(new, sub))
+                self.index.repoint(int(blobs.members[new, sub]), pack(old, sub), pack(new, sub))
             self.frames.discard(old)
             self.hot.discard(old)
         return moved
