@@ -11,8 +11,11 @@ as fast as it can. Rows per configuration:
   python / frames  device.datapath python, warm_algorithm none: the request path of main
                    before the native path (writes compressed, and what does not pay stored
                    page by page, all in Python, with the store lock taken for each write)
+  native / frames  device.datapath native, warm_algorithm none (the defaults): frames and
+                   the page-by-page fallback compressed by the C path before the lock
   native / warm    device.datapath native, warm_algorithm lz4: writes stored by the C path
                    (raw pages memcpy'd into pool cells under the lock), reads answered in C
+  zram lz4         the reference: /dev/zram0 as a raw block device, the same reads and writer
 
     flock /tmp/agentzip-swap.lock .venv/bin/python -m bench neighbour [--json PATH]
 
@@ -36,6 +39,7 @@ import numpy as np
 
 from agentzip_blk.config import Config
 from agentzip_blk.host import attach
+from bench.harness import zram
 from bench.harness.blockio import agent_pages
 
 PAGE = 4096
@@ -43,17 +47,20 @@ MiB = 1 << 20
 DATA = 64 * MiB
 READS = 3000
 WRITER = r"""
-import mmap, os, sys, time
+import mmap, os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 path, first, span, seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
 buf = mmap.mmap(-1, 1 << 20)
-written, off, end = 0, 0, time.monotonic() + seconds
-while time.monotonic() < end:
-    buf[:] = os.urandom(1 << 20)
-    os.pwritev(fd, [buf], first + off)
-    written += 1 << 20
-    off = (off + (1 << 20)) % span
-print(written, flush=True)
+written, off, start = 0, 0, time.monotonic()
+try:
+    while time.monotonic() < start + seconds:
+        buf[:] = os.urandom(1 << 20)
+        os.pwritev(fd, [buf], first + off)
+        written += 1 << 20
+        off = (off + (1 << 20)) % span
+finally:
+    print(written / (1 << 20) / (time.monotonic() - start), flush=True)
 """
 
 
@@ -85,7 +92,30 @@ def timed_reads(path: str, offs: list[int]) -> dict:
             "max_us": round(float(a.max()), 1), "reads": len(times)}
 
 
-CONFIGS = {"python / frames": ("python", "none"), "native / warm": ("native", "lz4")}
+# label: (device.datapath, compression.warm_algorithm)
+CONFIGS = {"python / frames": ("python", "none"),
+           "native / frames (the default)": ("native", "none"),
+           "native / warm": ("native", "lz4")}
+
+
+def measure(device: str, data: bytes, offs: list[int]) -> dict:
+    """The reads on `device` alone, then while a writer fills another part of it."""
+    write_direct(device, data)
+    alone = timed_reads(device, offs)
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, device,
+                               str(256 * MiB), str(512 * MiB), "600"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.0)  # the writer at full speed
+        t0 = time.monotonic()
+        noisy = timed_reads(device, offs)
+        seconds = time.monotonic() - t0
+    finally:
+        writer.terminate()
+        out, _ = writer.communicate()
+    noisy["neighbour_seconds"] = round(seconds, 2)
+    noisy["writer_mib_s"] = round(float(out.strip() or 0), 1)
+    return {"alone": alone, "with a writer": noisy}
 
 
 def run(tmp: str) -> dict:
@@ -93,41 +123,32 @@ def run(tmp: str) -> dict:
     rnd = random.Random(2)
     offs = [rnd.randrange(DATA // PAGE) * PAGE for _ in range(READS)]
     rows = {}
-    for label, (datapath, warm) in CONFIGS.items():
+    if zram.available():  # the reference: the kernel's device, same reads, same writer
+        with zram.raw_device("lz4", 1 << 30) as device:
+            rows["zram lz4"] = measure(device, data, offs)
+    for n, (label, (datapath, warm)) in enumerate(CONFIGS.items()):
         cfg = Config()
-        cfg.pool.swap_out_path = f"{tmp}/tier-{datapath}"
+        cfg.pool.swap_out_path = f"{tmp}/tier-{n}"
         cfg.compression.dictionary = "none"
         cfg.compression.warm_algorithm = warm
         cfg.device.datapath = datapath
-        with attach.attached(cfg, f"{tmp}/run-{datapath}", size=1 << 30, frontend="fuse") as st:
+        with attach.attached(cfg, f"{tmp}/run-{n}", size=1 << 30, frontend="fuse") as st:
             subprocess.run(["swapoff", st.loop_device], check=True)
-            write_direct(st.loop_device, data)
-            alone = timed_reads(st.loop_device, offs)
-            writer = subprocess.Popen([sys.executable, "-c", WRITER, st.loop_device,
-                                       str(256 * MiB), str(512 * MiB), "600"],
-                                      stdout=subprocess.PIPE, text=True)
             try:
-                time.sleep(1.0)  # the writer at full speed
-                t0 = time.monotonic()
-                noisy = timed_reads(st.loop_device, offs)
-                seconds = time.monotonic() - t0
+                rows[label] = measure(st.loop_device, data, offs)
             finally:
-                writer.terminate()
-                writer.wait()
-            noisy["neighbour_seconds"] = round(seconds, 2)
-            rows[label] = {"alone": alone, "with a writer": noisy}
-            subprocess.run(["mkswap", st.loop_device], check=True, capture_output=True)
-            subprocess.run(["swapon", st.loop_device], check=True)  # attached() expects it
+                subprocess.run(["mkswap", st.loop_device], check=True, capture_output=True)
+                subprocess.run(["swapon", st.loop_device], check=True)  # attached() expects it
     return rows
 
 
 def render(rows: dict) -> str:
-    lines = ["| configuration | alone p50 / p99 µs | with an incompressible writer p50 / p99 / max µs | p99 × alone |",
-             "|---|---:|---:|---:|"]
+    lines = ["| configuration | alone p50 / p99 µs | with an incompressible writer p50 / p99 / max µs | p99 × alone | the writer's MiB/s |",
+             "|---|---:|---:|---:|---:|"]
     for label, r in rows.items():
         a, n = r["alone"], r["with a writer"]
         lines.append(f"| {label} | {a['p50_us']} / {a['p99_us']} | {n['p50_us']} / {n['p99_us']} / "
-                     f"{n['max_us']} | {n['p99_us'] / a['p99_us']:.1f}x |")
+                     f"{n['max_us']} | {n['p99_us'] / a['p99_us']:.1f}x | {n['writer_mib_s']} |")
     return "\n".join(lines)
 
 

@@ -22,7 +22,7 @@ GETXATTR, LISTXATTR
 _.zeroes, _.bytes_read, _.bytes_written, _.enospc, _.dedup_hits, _.hash_collisions
 _.demotions, _.returned_demotions, _.direct_to_disk, _.disk_full, _.disk_errors
 _.compactions, _.pages_moved, _.hot_hits, _.frames_written, _.frame_fallbacks, _.frame_hits
-_.frames_rewritten, _.kernel_freed_pages
+_.frames_rewritten, _.frames_incompressible, _.kernel_freed_pages
 _.kernel_swap
 _.mkswap_done
 

@@ -286,6 +286,20 @@ def pays(length: int, pages: int = 1) -> bool:
     return length <= pages * MAX_COMPRESSED
 
 
+# What a page alone must save to pay: PAGE - MAX_COMPRESSED bytes. Alone it compresses no
+# better than inside a frame (no context from its neighbours, a frame header of its own),
+# so a frame that saved less than that, headers allowed for, holds no page that pays alone.
+_FRAME_HEADERS = 64
+
+
+def alone_may_pay(length: int, pages: int, page_size: int = PAGE) -> bool:
+    """Whether a page of a frame of `pages` pages that compressed to `length` bytes may pay
+    compressed alone: False for a frame that did not compress at all (random bytes), whose
+    pages are then stored as they are without compressing each one again, ~5x the cost of
+    the frame's own try (BENCHMARKS.md, "A neighbour that writes incompressible pages")."""
+    return pages * page_size - length + _FRAME_HEADERS >= page_size - MAX_COMPRESSED
+
+
 def stored_size(n: int, page_size: int = PAGE) -> int:
     """Bytes the store keeps for a page compressed to n bytes (the page itself when that
     does not pay)."""

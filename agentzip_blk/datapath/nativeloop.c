@@ -485,6 +485,7 @@ typedef struct {
     LZ4_stream_t lz4;
     uint8_t scratch[MAX_PAGES * MAX_COMPRESSED];
     uint8_t frame[FRAME_BYTES];
+    uint8_t spill[ZSTD_COMPRESSBOUND(FRAME_BYTES)];
     ZSTD_CCtx *cctx_frame, *cctx_page; /* dense writes, made at the first (cctx_level) */
     int cctx_level, cctx_pages;
     ReadPlan plan;
@@ -539,6 +540,7 @@ static int write_plan(ThreadScratch *s, const WriteParams *p) {
     s->write.scratch = s->scratch;
     s->write.lz4 = &s->lz4;
     s->write.frame = s->frame;
+    s->write.spill = s->spill;
     s->write.cctx_frame = s->cctx_frame;
     s->write.cctx_page = s->cctx_page;
     s->write.dctx = s->dctx;
@@ -883,13 +885,14 @@ static PyObject *Path_counters(Path *self, PyObject *unused) {
     StoreCounters *c = &self->c;
 #define U(x) (unsigned long long)atomic_load(&(x))
     return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsNsNsN}",
+        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsNsNsN}",
         "reads", U(c->reads), "pages_read", U(c->pages_read), "bytes_read", U(c->bytes_read),
         "writes", U(c->writes), "pages_written", U(c->pages_written),
         "bytes_written", U(c->bytes_written), "dedup_hits", U(c->dedup_hits),
         "dedup_compares", U(c->dedup_compares), "hash_collisions", U(c->hash_collisions),
         "pingpong", U(c->pingpong), "handed_up", U(self->handed_up),
         "units_written", U(c->units_written), "unit_fallbacks", U(c->unit_fallbacks),
+        "units_incompressible", U(c->units_incompressible),
         "packed_pages", U(self->packed), "pack_raced", U(self->pack_raced),
         "pack_kept", U(self->pack_kept), "pack_bad", U(self->pack_bad),
         "frame_cache_hits", (unsigned long long)self->fc.hits,

@@ -831,15 +831,32 @@ int prepare_write(const WriteParams *p, const uint8_t *data, uint64_t count, Wri
         WriteGroup *grp = &plan->groups[k];
         /* its output at its first page's place: the next group starts past its last page */
         uint8_t *out = plan->scratch + (size_t)grp->pos[0] * MAX_COMPRESSED;
+        grp->incompressible = 0;
         if (grp->m > 1) {
             for (uint16_t j = 0; j < grp->m; j++)
                 memcpy(plan->frame + (size_t)j * PAGE, wp[grp->pos[j]].page, PAGE);
-            size_t n = ZSTD_compress2(plan->cctx_frame, out, (size_t)grp->m * MAX_COMPRESSED,
-                                      plan->frame, (size_t)grp->m * PAGE);
-            if (!ZSTD_isError(n) && n > 0) { /* codecs.pays */
+            /* into the spill room, whole: a frame that does not pay says by its length
+             * whether its pages may pay alone (codecs.alone_may_pay) */
+            size_t n = ZSTD_compress2(plan->cctx_frame, plan->spill,
+                                      ZSTD_COMPRESSBOUND(FRAME_BYTES), plan->frame,
+                                      (size_t)grp->m * PAGE);
+            if (ZSTD_isError(n) || n == 0)
+                n = (size_t)grp->m * PAGE; /* as if it did not compress */
+            if (n <= (size_t)grp->m * MAX_COMPRESSED) { /* codecs.pays */
+                memcpy(out, plan->spill, n);
                 grp->len = (uint32_t)n;
                 grp->stored = out;
                 grp->csum = p->checksums ? (uint32_t)XXH3_64bits(out, n) : 0;
+                continue;
+            }
+            if ((int64_t)grp->m * PAGE - (int64_t)n + FRAME_HEADERS < PAGE - MAX_COMPRESSED) {
+                grp->incompressible = 1; /* random bytes: no page pays alone either */
+                for (uint16_t j = 0; j < grp->m; j++) {
+                    WritePage *w = &wp[grp->pos[j]];
+                    w->stored = w->page;
+                    w->len = PAGE;
+                    w->codec = CODEC_RAW;
+                }
                 continue;
             }
         }
@@ -932,11 +949,12 @@ int native_write(Tables *t, FrameCache *fc, const WriteParams *p, StoreCounters 
      * dense frames and pages alone */
     uint32_t staged[MAX_PAGES];
     uint64_t nstaged = 0;
-    uint64_t units = 0, fallbacks = 0;
+    uint64_t units = 0, fallbacks = 0, incompressible = 0;
     for (uint32_t k = 0; k < plan->ngroups; k++) {
         WriteGroup *grp = &plan->groups[k];
         if (grp->len == 0) {
             fallbacks += grp->m > 1;
+            incompressible += grp->incompressible;
             continue; /* its pages alone, below */
         }
         uint32_t keys[MAX_FRAME_PAGES];
@@ -1024,6 +1042,7 @@ int native_write(Tables *t, FrameCache *fc, const WriteParams *p, StoreCounters 
     atomic_fetch_add(&c->pingpong, pp);
     atomic_fetch_add(&c->units_written, units);
     atomic_fetch_add(&c->unit_fallbacks, fallbacks);
+    atomic_fetch_add(&c->units_incompressible, incompressible);
     /* the maintainer, now rather than at its next round: the pool past its threshold, the
      * index, the blob table or the arena books near full */
     const int64_t *is = t->index_state;

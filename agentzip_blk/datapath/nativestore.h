@@ -33,6 +33,7 @@
 #define CODEC_LZ4 2
 #define CODEC_LZ4HC 3
 #define MAX_COMPRESSED 3072 /* codecs.MAX_COMPRESSED: above this a page is stored raw */
+#define FRAME_HEADERS 64 /* codecs._FRAME_HEADERS (codecs.alone_may_pay) */
 #define CHUNK_SLOTS 512     /* slots.CHUNK_SLOTS */
 #define TICK_MASK 0xFFFF
 #define TICK_REBASE (1LL << 31)
@@ -150,7 +151,7 @@ typedef struct {
     atomic_ullong reads, pages_read, bytes_read;
     atomic_ullong writes, pages_written, bytes_written;
     atomic_ullong dedup_hits, dedup_compares, hash_collisions, pingpong;
-    atomic_ullong units_written, unit_fallbacks;
+    atomic_ullong units_written, unit_fallbacks, units_incompressible;
     atomic_ullong handed_up[UP_REASONS];
     atomic_llong last_ring; /* the tick of the last doorbell ring */
 } StoreCounters;
@@ -248,6 +249,7 @@ typedef struct {
     uint32_t len;                  /* the frame's bytes; 0: stored page by page */
     const uint8_t *stored;
     uint32_t csum;
+    uint8_t incompressible;        /* stored page by page, raw: the frame did not compress */
 } WriteGroup;
 
 typedef struct {
@@ -259,6 +261,7 @@ typedef struct {
     void *cctx_frame;     /* ZSTD_CCtx for frames (dense), for pages alone */
     void *cctx_page;
     uint8_t *frame;       /* FRAME_BYTES: a group's pages, contiguous */
+    uint8_t *spill;       /* ZSTD_COMPRESSBOUND(FRAME_BYTES): a frame's output, paying or not */
     void *dctx;           /* ZSTD_DCtx and FRAME_BYTES for dedup comparisons with frames */
     uint8_t *dec;
 } WritePlan;

@@ -238,13 +238,14 @@ def _counters(store: AccountedStore) -> dict:
 # objects.Counters fields whose stats and metrics name (docs/JSON.md) is another: frames
 # were "units" when the interface was made, and it keeps that name
 STATS_NAMES = {"frames_written": "units_written", "frame_fallbacks": "unit_fallbacks",
-               "frame_hits": "unit_hits", "frames_rewritten": "units_rewritten"}
+               "frame_hits": "unit_hits", "frames_rewritten": "units_rewritten",
+               "frames_incompressible": "units_incompressible"}
 
 # what a request path outside Python counts of the store's request counters, by stats name
 # (the native path reports them so)
 OUTSIDE_COUNTERS = ("reads", "bytes_read", "writes", "bytes_written", "dedup_hits",
                     "dedup_compares", "hash_collisions", "pingpong", "units_written",
-                    "unit_fallbacks")
+                    "unit_fallbacks", "units_incompressible")
 
 
 def _forms(store: AccountedStore, f: _Frozen, same_pages: int) -> dict:

@@ -57,6 +57,8 @@ class Counters:
     # frame's old name, "unit": accounting.STATS_NAMES maps these four to it.
     frames_written: int = 0  # multi-page blobs stored
     frame_fallbacks: int = 0  # groups that compressed too poorly together: stored page by page
+    # of those, groups that did not compress at all: stored raw, no page compressed alone
+    frames_incompressible: int = 0
     frame_hits: int = 0  # page reads served from the decompressed-frame cache
     frames_rewritten: int = 0  # sparse frames recompressed without their dead pages
     decoded_bytes: int = 0  # bytes decompressed (a frame's whole size per miss): read amplification

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..codec.codecs import Codec, CodecSet, pays
+from ..codec.codecs import RAW, Codec, CodecSet, alone_may_pay, pays
 from ..codec.dictionaries import StoreDictionaries
 from ..codec.dictionaries.selector import Choice
 from .blobs import WARM
@@ -273,6 +273,15 @@ class Placer:
                 self.counters.frames_written += 1
                 return
             self.counters.frame_fallbacks += 1
+            if not alone_may_pay(len(compressed), len(group)):
+                # random bytes: compressing each page again (under the lock) would only
+                # cost every other tenant's requests time (issue 27, item 6)
+                self.counters.frames_incompressible += 1
+                for n in group:
+                    lo, hi = hashes[n]
+                    placed[n] = (self.objects.new_page(pages[n], RAW, 0, lo, hi, now, pages[n]), 0)
+                    staged.append(placed[n][0])
+                return
         for n in group:
             choice = chooser.get() if chooser is not None else None
             sample = choice.sample_out if choice is not None and n == choice.sample else None

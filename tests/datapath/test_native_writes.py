@@ -159,6 +159,30 @@ def test_native_writes_match_the_python_path_and_the_model(dedup, warm, frame_pa
         twin.close()
 
 
+@pytest.mark.parametrize("frame_pages", [4, 16])
+def test_a_frame_of_random_bytes_is_stored_raw_and_a_mixed_one_page_by_page(frame_pages):
+    """A frame that does not compress at all is stored raw without compressing each page
+    again (codecs.alone_may_pay: the noisy neighbour's cost, issue 27 item 6); one that
+    only fails to pay as a whole still has its compressible pages compressed alone. Both
+    paths decide the same way."""
+    twin = Twin(256, warm_algorithm="none", frame_pages=frame_pages, dictionary="none")
+    try:
+        rnd = random.Random(3)
+        noise = b"".join(rnd.randbytes(PAGE) for _ in range(frame_pages))
+        twin.write(noise, 0)
+        mixed = b"".join(rnd.randbytes(PAGE) for _ in range(frame_pages - 1)) + text_page(rnd, 1)
+        twin.write(mixed, 64)
+        twin.verify()
+        ours, theirs = twin.store.stats(), twin.plain.stats()
+        for key in BOOKS + ("units", "unit_fallbacks", "units_incompressible"):
+            assert ours[key] == theirs[key], key
+        assert ours["unit_fallbacks"] == 2 and ours["units_incompressible"] == 1
+        assert ours["raw_pages"] == 2 * frame_pages - 1 and ours["compressed_pages"] == 1
+        assert twin.path.counters()["units_incompressible"] == 1
+    finally:
+        twin.close()
+
+
 def test_writes_native_can_not_store_are_handed_up_intact_and_stored_right(tmp_path):
     """A slot over a disk blob is Python's; a page equal to one inside a frame is compared
     with the frame natively (decoded once, then from the frame cache) and shares it."""
