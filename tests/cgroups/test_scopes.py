@@ -224,14 +224,15 @@ def test_ledger_drops_removed_and_recreated_cgroups(tmp_path):
     led = Ledger(str(tmp_path / "run"), PlainTree(str(tmp_path)))
     led.write(str(a / "memory.high"), "1")
     led.write(str(b / "memory.high"), "2")
-    # a: removed; b: removed and created again (another cgroup under the same name)
+    # a: removed; b: removed and created again (another cgroup under the same name). The new
+    # b is made while the old one still holds its inode, then renamed into place: a freed
+    # inode number may be handed out again at once, and the new b must not get the old one
+    w(str(tmp_path / "b.new" / "memory.high"), "new\n")
     for f in (a / "memory.high", b / "memory.high"):
         os.unlink(f)
     os.rmdir(a)
     os.rmdir(b)
-    w(str(b / "x"), "")  # occupy the old inode number with something else first
-    os.makedirs(b, exist_ok=True)
-    w(str(b / "memory.high"), "new\n")
+    os.rename(tmp_path / "b.new", b)
     report = led.restore()
     assert len(report.gone) == 2 and not report.restored
     assert r(str(b / "memory.high")) == "new\n"
