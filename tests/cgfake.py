@@ -3,11 +3,18 @@
 ``fake_v2(tmp, {"/a/agent-sandbox-1.slice": {...}})`` writes ROOT/proc/mounts,
 ROOT/proc/self/cgroup and a cgroup2 hierarchy at ROOT/sys/fs/cgroup whose cgroups hold the
 usual memory files (overridable per cgroup). ``fake_hybrid`` adds a v1 memory hierarchy.
+
+A fake tree is plain files, and the code is told so, never left to guess it from the path:
+``plain(root)`` is its controller (``tree.PlainTree``), ``PlainTree(root)`` goes to a
+``Ledger``, ``--cgroup-tree ROOT`` to the CLI. Read-only code may take the root alone.
 """
 
 from __future__ import annotations
 
 import os
+
+from agentzip_blk.cgroups.fs import MemoryController, detect
+from agentzip_blk.cgroups.tree import PlainTree
 
 V2_DEFAULTS = {
     "cgroup.procs": "",
@@ -88,12 +95,18 @@ def fake_hybrid(tmp, cgroups: dict[str, dict[str, str]] | None = None,
     return root, v1, v2
 
 
+def plain(root: str) -> MemoryController:
+    """The memory controller of the fake tree at *root*, declared a tree of plain files:
+    control files created on write, a cgroup's files unlinked before its rmdir."""
+    return detect(root, tree=PlainTree(root))
+
+
 def real_v1():
     """The host's memory controller, for tests on real cgroups: skips unless it is v1 and
     we are root."""
     import pytest
 
-    from agentzip_blk.cgroups.fs import CgroupError, detect
+    from agentzip_blk.cgroups.fs import CgroupError
 
     if os.geteuid() != 0:
         pytest.skip("needs root to create memory cgroups")

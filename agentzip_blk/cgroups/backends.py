@@ -24,7 +24,8 @@ the rest. PSI is tracked on the cgroup2 tree whether or not the memory controlle
 there, so a v1 cgroup whose processes sit in a v2 cgroup of their own (systemd's hybrid mode
 mirrors the slice tree on both) has per-cgroup memory pressure after all: ``psi_file`` finds it.
 
-Everything goes through a *root* directory like cgroup_memory: tests pass a fake tree.
+Everything goes through a *root* directory like cgroup_memory, and the controller's ``tree``
+says how files are written: tests pass a fake tree of plain files (``tree.PlainTree``).
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ from .fs import (
     read_file,
     under_root,
     unescape_mount,
-    write_file,
 )
+from .tree import CgroupTree
 
 __all__ = [
     "Writer", "DirectWriter", "Counters", "MemoryBackend", "V1Backend", "V2Backend",
@@ -63,13 +64,13 @@ class Writer(Protocol):
 
 
 class DirectWriter:
-    """Writes straight through (fake trees in tests: creates missing files)."""
+    """Writes straight through, as the hierarchy's tree writes (nothing recorded)."""
 
-    def __init__(self, fake: bool = False):
-        self.fake = fake
+    def __init__(self, tree: CgroupTree):
+        self.tree = tree
 
     def write(self, path: str, value: str, *, transient: bool = False) -> None:
-        write_file(path, value, self.fake)
+        self.tree.write(path, value)
 
 
 @dataclass
@@ -119,8 +120,7 @@ class MemoryBackend:
         self.controller = controller
         self.mount = controller.mount
         self.root = controller.root
-        self.fake = controller.root not in ("", "/")
-        self.writer: Writer = writer or DirectWriter(self.fake)
+        self.writer: Writer = writer or DirectWriter(controller.tree)
         self.unified = unified  # a cgroup2 mount (== mount on v2), for PSI
 
     @property

@@ -11,8 +11,11 @@ helpers. Works on both hierarchies:
 v1 wins when both exist, because a controller bound to v1 is absent from v2.
 
 Everything goes through a *root* directory (default ``/``): ``ROOT/proc/mounts``,
-``ROOT/proc/self/cgroup`` and the mount points found there, prefixed with ROOT. Unit tests
-build a fake tree in a temp directory and pass it as ``root``.
+``ROOT/proc/self/cgroup`` and the mount points found there, prefixed with ROOT (a container
+that sees the host's / at /host passes that). Which kind of file system the hierarchy is,
+and so how its files are written and its cgroups removed, is another matter, said by the
+caller: ``tree`` (``tree.Cgroupfs`` unless told otherwise; unit tests build a fake hierarchy
+of plain files in a temp directory and pass it as ``root`` with ``tree=PlainTree(root)``).
 
     with MemoryCgroup.create("demo") as cg:
         cg.add_pid(pid)
@@ -26,6 +29,8 @@ import errno
 import os
 import time
 from dataclasses import dataclass
+
+from .tree import CGROUPFS, CgroupTree
 
 SAME = object()  # set_limit(max_limit=SAME): memory.max follows memory.high
 
@@ -46,6 +51,7 @@ class MemoryController:
     mount: str  # absolute path of the hierarchy's mount point (ROOT already applied)
     own: str  # our own cgroup, relative to the mount, "/" for the root cgroup
     root: str = "/"
+    tree: CgroupTree = CGROUPFS  # how its control files are written, its cgroups removed
 
     @property
     def own_path(self) -> str:
@@ -68,21 +74,15 @@ def read_file(path: str) -> str:
         return f.read()
 
 
-def write_file(path: str, value: str, create: bool = False) -> None:
-    # one write() call, as cgroupfs wants; *create* only for fake trees (tests)
-    fd = os.open(path, os.O_WRONLY | os.O_TRUNC | (os.O_CREAT if create else 0), 0o644)
-    try:
-        os.write(fd, value.encode())
-    finally:
-        os.close(fd)
-
-
 def unescape_mount(field: str) -> str:
     return field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
 
 
-def detect(root: str = "/", pid: int | str = "self") -> MemoryController:
-    """Where the memory controller lives and which cgroup *pid* (default: we) belongs to."""
+def detect(root: str = "/", pid: int | str = "self",
+           tree: CgroupTree = CGROUPFS) -> MemoryController:
+    """Where the memory controller lives and which cgroup *pid* (default: we) belongs to.
+    *tree*: the kind of hierarchy it is, as the caller knows it (cgroupfs unless told
+    otherwise, whatever the root: a tree of plain files is declared, tree.PlainTree)."""
     try:
         mounts = read_file(under_root(root, "/proc/mounts"))
     except OSError as e:
@@ -114,7 +114,7 @@ def detect(root: str = "/", pid: int | str = "self") -> MemoryController:
             v1_own = path or "/"
 
     if v1_mount is not None and v1_own is not None:
-        return MemoryController(1, under_root(root, v1_mount), v1_own, root)
+        return MemoryController(1, under_root(root, v1_mount), v1_own, root, tree)
     for mnt in v2_mounts:
         m = under_root(root, mnt)
         try:
@@ -122,7 +122,7 @@ def detect(root: str = "/", pid: int | str = "self") -> MemoryController:
         except OSError:
             continue
         if "memory" in ctrls and v2_own is not None:
-            return MemoryController(2, m, v2_own, root)
+            return MemoryController(2, m, v2_own, root, tree)
     raise CgroupError(
         "no memory cgroup controller found (neither a v1 'memory' hierarchy in /proc/mounts "
         "nor 'memory' in a cgroup2 cgroup.controllers); enable it (cgroup_enable=memory) "
@@ -147,7 +147,6 @@ class MemoryCgroup:
 
     def __init__(self, controller: MemoryController, rel: str):
         self.controller = controller
-        self._fake = controller.root not in ("", "/")
         self.rel = "/" + rel.strip("/")
         self.path = join_rel(controller.mount, self.rel)
 
@@ -188,7 +187,7 @@ class MemoryCgroup:
         if "memory" not in self._controllers() and self.rel != "/":
             self.parent()._v2_enable_memory()
         try:
-            write_file(self.file("cgroup.subtree_control"), "+memory", self._fake)
+            self.controller.tree.write(self.file("cgroup.subtree_control"), "+memory")
         except OSError as e:
             hint = ""
             if e.errno == errno.EBUSY:
@@ -230,7 +229,7 @@ class MemoryCgroup:
 
     def write(self, name: str, value) -> None:
         try:
-            write_file(self.file(name), str(value), self._fake)
+            self.controller.tree.write(self.file(name), str(value))
         except OSError as e:
             raise CgroupError(f"cannot write {value!r} to {self.file(name)}: {e.strerror}") from e
 
@@ -265,7 +264,7 @@ class MemoryCgroup:
         if self.version == 1:
             value = -1 if limit is None else int(limit)
             try:
-                write_file(self.file("memory.limit_in_bytes"), str(value), self._fake)
+                self.controller.tree.write(self.file("memory.limit_in_bytes"), str(value))
             except OSError as e:
                 if e.errno == errno.EBUSY:
                     raise LimitBusy(f"{self.file('memory.limit_in_bytes')}: cannot reclaim below "
@@ -368,12 +367,7 @@ class MemoryCgroup:
                 except CgroupError:
                     pass  # exited meanwhile, or a zombie: rmdir tells us if it matters
             try:
-                if self._fake:
-                    # fake tree (tests): plain files stand in for cgroupfs control files
-                    for entry in os.scandir(self.path):
-                        if entry.is_file():
-                            os.unlink(entry.path)
-                os.rmdir(self.path)
+                self.controller.tree.rmdir(self.path)
                 return
             except FileNotFoundError:
                 return

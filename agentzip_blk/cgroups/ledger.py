@@ -8,7 +8,8 @@
    The ledger is a file, and a file is not root's instruction: a path in it is written (at
    the first write and at every restore) only when its name is one of the cgroup files the
    tuner writes (CGROUP_FILES) and the file, opened O_WRONLY|O_NOFOLLOW without O_CREAT or
-   O_TRUNC, lies on a cgroup file system (fstatfs magic), and the entry carries the inode of
+   O_TRUNC, lies on a cgroup file system (fstatfs magic: tree.Cgroupfs; the tests' trees of
+   plain files are declared as such, tree.PlainTree), and the entry carries the inode of
    the cgroup directory that the tuner recorded at its first write, which the directory
    still has (an entry without one was not written by the tuner: it could name any cgroup,
    even one re-created since). Anything else is refused with a logged error and never
@@ -18,8 +19,6 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import errno
 import fcntl
 import json
@@ -35,10 +34,10 @@ from ..config import ConfigError, Scope
 from ..errors import SetupError
 from .fs import read_file
 from .scopes import covered
+from .tree import CGROUPFS, CgroupTree, NotACgroupFile
 
 __all__ = ["Ledger", "LedgerEntry", "RestoreReport", "LEDGER_FILE", "release_unscoped",
-           "release_all", "CGROUP_FILES", "NotACgroupFile", "write_cgroup_file",
-           "fs_magic"]
+           "release_all", "CGROUP_FILES", "NotACgroupFile", "write_cgroup_file"]
 
 LEDGER_FILE = "cgroup-settings.json"
 LEDGER_LOCK = "cgroup-settings.lock"
@@ -53,57 +52,15 @@ CGROUP_FILES = frozenset({
     "memory.swappiness",
 })
 
-CGROUP_SUPER_MAGIC = 0x27E0EB  # cgroup v1 (linux/magic.h)
-CGROUP2_SUPER_MAGIC = 0x63677270  # cgroup v2
-CGROUP_MAGICS = (CGROUP_SUPER_MAGIC, CGROUP2_SUPER_MAGIC)
-
-
-class NotACgroupFile(OSError):
-    """A ledger path that is not a known cgroup file on cgroupfs: never written."""
-
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.fstatfs.argtypes = [ctypes.c_int, ctypes.c_void_p]
-_libc.fstatfs.restype = ctypes.c_int
-
-
-def fs_magic(fd: int) -> int:
-    """f_type of the file system ``fd`` lies on (fstatfs(2); Python has no binding). f_type
-    is the first member of struct statfs, a long (__fsword_t) on Linux."""
-    buf = ctypes.create_string_buffer(256)  # sizeof(struct statfs) is 120 on 64-bit Linux
-    if _libc.fstatfs(fd, buf) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF
-
-
-def write_cgroup_file(path: str, value: str, fake: bool = False) -> None:
+def write_cgroup_file(path: str, value: str, tree: CgroupTree = CGROUPFS) -> None:
     """Write ``value`` in one write() to the cgroup file ``path``, only when it is one: a
-    known name (CGROUP_FILES), not a symbolic link, on cgroupfs. ``fake`` (test trees of
-    plain files): created when missing, and the file system is not checked."""
+    known name (CGROUP_FILES), and a control file of ``tree`` (on cgroupfs: not a symbolic
+    link, on a cgroup file system; tree.Cgroupfs checks)."""
     name = os.path.basename(path)
     if name not in CGROUP_FILES:
         raise NotACgroupFile(errno.EPERM, f"{name!r} is not a cgroup file the tuner writes",
                              path)
-    flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY
-    if fake:
-        flags |= os.O_CREAT | os.O_TRUNC
-    try:
-        fd = os.open(path, flags, 0o644)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise NotACgroupFile(errno.ELOOP, "a symbolic link, not a cgroup file", path) from None
-        raise
-    try:
-        if not fake:
-            st = os.fstat(fd)
-            magic = fs_magic(fd)
-            if not stat.S_ISREG(st.st_mode) or magic not in CGROUP_MAGICS:
-                raise NotACgroupFile(errno.EPERM, f"not on a cgroup file system (magic "
-                                     f"{magic:#x})", path)
-        os.write(fd, value.encode())
-    finally:
-        os.close(fd)
+    tree.write(path, value)
 
 
 def _open_private(path: str, flags: int) -> int:
@@ -148,7 +105,7 @@ class Ledger:
     Every public method takes the ledger's file lock (re-entrant within a process).
     """
 
-    def __init__(self, run_dir: str, fake: bool = False,
+    def __init__(self, run_dir: str, tree: CgroupTree = CGROUPFS,
                  rel_of: Callable[[str], str] | None = None):
         self.run_dir = os.path.abspath(run_dir)
         # cgroup directory -> path below its mount (a backend's rel_of); by default found by
@@ -156,7 +113,7 @@ class Ledger:
         self.rel_of = rel_of or _cgroup_rel
         self.file = os.path.join(self.run_dir, LEDGER_FILE)
         self.lock_file = os.path.join(self.run_dir, LEDGER_LOCK)
-        self.fake = fake  # fake cgroup trees (tests): plain files, created on write
+        self.tree = tree  # how the cgroup files are written (tree.Cgroupfs: checked)
         self._entries: dict[str, LedgerEntry] = {}
         self._mutex = threading.RLock()
         self._depth = 0
@@ -244,7 +201,7 @@ class Ledger:
                 self._entries[path] = LedgerEntry(path=path, cgroup=self.rel_of(cgdir),
                                                   original=original, ino=_ino(cgdir))
                 self._save()  # write-ahead: recorded before the file changes
-            write_cgroup_file(path, value, self.fake)
+            write_cgroup_file(path, value, self.tree)
             if not transient:
                 self._entries[path].last = value
                 self._save()
@@ -280,7 +237,7 @@ class Ledger:
                         progress = True
                         continue
                     try:
-                        write_cgroup_file(e.path, e.original, self.fake)
+                        write_cgroup_file(e.path, e.original, self.tree)
                     except NotACgroupFile as exc:
                         # a planted or corrupted entry: never written, and dropped
                         log.error("cgroup ledger %s: refused %s: %s", self.file, e.path,
@@ -348,16 +305,16 @@ def _cgroup_rel(cgdir: str) -> str:
 
 # --- what `scope disable/remove` and `down` call -------------------------------------------
 
-def release_unscoped(run_dir: str, scopes: Iterable[Scope], fake: bool = False,
+def release_unscoped(run_dir: str, scopes: Iterable[Scope], tree: CgroupTree = CGROUPFS,
                      rel_of: Callable[[LedgerEntry], str] | None = None) -> RestoreReport:
     """Restore the recorded cgroups that no enabled scope covers any more."""
     scopes = list(scopes)
     rel_of = rel_of or (lambda e: e.cgroup)
-    return Ledger(run_dir, fake).restore(lambda e: not covered(scopes, rel_of(e)))
+    return Ledger(run_dir, tree).restore(lambda e: not covered(scopes, rel_of(e)))
 
 
-def release_all(run_dir: str, fake: bool = False) -> RestoreReport:
+def release_all(run_dir: str, tree: CgroupTree = CGROUPFS) -> RestoreReport:
     """Restore every recorded cgroup file (``down``)."""
     if not os.path.exists(os.path.join(run_dir, LEDGER_FILE)):
         return RestoreReport()
-    return Ledger(run_dir, fake).restore()
+    return Ledger(run_dir, tree).restore()

@@ -1,15 +1,21 @@
 """What the commands share: exit statuses, CliError, the config and run directory of a
-command line, sizes, byte formatting, serving until Ctrl-C (progress bars: cli.progress)."""
+command line, the cgroup hierarchy it works on, sizes, byte formatting, serving until Ctrl-C
+(progress bars: cli.progress)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from ..codec.dictionaries import known_names
 from ..config import ConfigError, check_device_size, load_config
 from ..config.quantities import format_bytes, parse_size
 from ..host.runstate import RunState, resolve_run_dir
+
+if TYPE_CHECKING:
+    from ..cgroups.tree import CgroupTree
 
 PROG = "agentzip-blk"
 EXIT_RUNTIME = 1
@@ -72,6 +78,40 @@ def run_dir_of(args, config=None) -> str:
     if config is None:
         config = config_of(args)
     return resolve_run_dir(config, None)
+
+
+def add_cgroup_options(parser) -> None:
+    """The hidden options that name a cgroup hierarchy other than the host's at /, one or the
+    other, so that its kind is said, never guessed from the path: ``--cgroup-root DIR``, the
+    host's cgroup file systems seen under DIR (a container with the host's / at /host), with
+    every cgroupfs check; ``--cgroup-tree DIR``, a tree of plain files at DIR standing in for
+    them (the tests of a command run as its own process: tests/cgfake.py)."""
+    # not an argparse mutually exclusive group: with suppressed members, wrapping a long
+    # usage line trips an assertion in argparse (Python 3.11); _one_cgroup_option checks
+    parser.add_argument("--cgroup-root", metavar="DIR", help=argparse.SUPPRESS)
+    parser.add_argument("--cgroup-tree", metavar="DIR", help=argparse.SUPPRESS)
+
+
+def _one_cgroup_option(args) -> None:
+    if args.cgroup_root and args.cgroup_tree:
+        raise CliError("--cgroup-root (cgroupfs seen under DIR) and --cgroup-tree (a tree of "
+                       "plain files at DIR) exclude each other")
+
+
+def cgroup_root_of(args) -> str:
+    """Where the cgroup hierarchies are found (/proc/mounts below it): --cgroup-root or
+    --cgroup-tree, else /."""
+    _one_cgroup_option(args)
+    return args.cgroup_tree or args.cgroup_root or "/"
+
+
+def cgroup_tree_of(args) -> CgroupTree:
+    """How the hierarchy's files are written: a tree of plain files for --cgroup-tree,
+    cgroupfs otherwise (at / or under --cgroup-root alike)."""
+    from ..cgroups.tree import CGROUPFS, PlainTree
+
+    _one_cgroup_option(args)
+    return PlainTree(args.cgroup_tree) if args.cgroup_tree else CGROUPFS
 
 
 def control_path_of(args) -> str:

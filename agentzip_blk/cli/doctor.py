@@ -6,9 +6,13 @@ server health check failed (whatever else did): docs/JSON.md.
 
 from __future__ import annotations
 
-import argparse
-
-from ._common import EXIT_UNHEALTHY, config_of, run_dir_of
+from ._common import (
+    EXIT_UNHEALTHY,
+    add_cgroup_options,
+    cgroup_root_of,
+    config_of,
+    run_dir_of,
+)
 
 
 def cmd_doctor(args) -> int:
@@ -22,7 +26,7 @@ def cmd_doctor(args) -> int:
     else:
         config_error = None
     run_dir = run_dir_of(args, config) if config is not None else (args.run_dir or "/run/agentzip")
-    checks = doctor.diagnose(doctor.gather(run_dir, config, root=args.cgroup_root or "/",
+    checks = doctor.diagnose(doctor.gather(run_dir, config, root=cgroup_root_of(args),
                                           config_path=args.config,
                                           kubelet_config=args.kubelet_config))
     if config_error:
@@ -39,7 +43,7 @@ def cmd_doctor(args) -> int:
 def register(sub) -> None:
     s = sub.add_parser("doctor", help="check the host: kernel, cgroups, swap, zswap, attach path")
     s.add_argument("--json", action="store_true", help="print one JSON object")
-    s.add_argument("--cgroup-root", help=argparse.SUPPRESS)
+    add_cgroup_options(s)
     s.add_argument("--kubelet-config", metavar="PATH",
                    help="the kubelet's config file, for its swap settings (default: the file "
                         "the running kubelet's --config names, with its --config-dir drop-ins "

@@ -3,11 +3,11 @@ prometheus_client is imported only when the command runs)."""
 
 from __future__ import annotations
 
-import argparse
-
 from ._common import (
     PROG,
     CliError,
+    add_cgroup_options,
+    cgroup_root_of,
     config_of,
     control_path_of,
     run_dir_of,
@@ -39,7 +39,7 @@ def cmd_metrics(args) -> int:
 
     cgroups_fn = None
     if not args.no_cgroups:
-        cgroups_fn = CgroupSource(run_dir_of(args), args.config, args.cgroup_root or "/",
+        cgroups_fn = CgroupSource(run_dir_of(args), args.config, cgroup_root_of(args),
                                   args.cgroup_interval)
     collector = Collector(stats, cgroups_fn, HostSource(run_dir_of(args), args.config),
                           BuildInfo.detect())
@@ -59,5 +59,5 @@ def register(sub) -> None:
                    help="skip per-cgroup figures (they read /proc/PID/pagemap, root only)")
     s.add_argument("--cgroup-interval", type=float, default=30.0, metavar="SECONDS",
                    help="recompute per-cgroup figures at most this often (default 30)")
-    s.add_argument("--cgroup-root", help=argparse.SUPPRESS)
+    add_cgroup_options(s)
     s.set_defaults(func=cmd_metrics)

@@ -13,7 +13,14 @@ import argparse
 import json
 import os
 
-from ._common import PROG, CliError, run_dir_of
+from ._common import (
+    PROG,
+    CliError,
+    add_cgroup_options,
+    cgroup_root_of,
+    cgroup_tree_of,
+    run_dir_of,
+)
 from .table import Column, Table, key
 
 ACTIONS = ("add", "remove", "enable", "disable", "list")
@@ -37,7 +44,7 @@ def _backend(args):
     from ..cgroups.fs import CgroupError
 
     try:
-        return open_backend(args.cgroup_root or "/")
+        return open_backend(cgroup_root_of(args))
     except CgroupError:
         return None
 
@@ -59,10 +66,8 @@ def _release(args, run_dir: str) -> str:
 
     backend = _backend(args)
     rel_of = _rel_of_under(backend) if backend is not None else None
-    # a --cgroup-root tree is a fake one of plain files (as in `tune`): not on cgroupfs
-    fake = (args.cgroup_root or "/") != "/"
-    report = ledger.release_unscoped(run_dir, scopes.list_scopes(args.config), fake=fake,
-                                     rel_of=rel_of)
+    report = ledger.release_unscoped(run_dir, scopes.list_scopes(args.config),
+                                     tree=cgroup_tree_of(args), rel_of=rel_of)
     if not (report.restored or report.gone or report.failed):
         return ""
     cgs = sorted({e.cgroup for e in report.restored})
@@ -160,5 +165,5 @@ def register(sub) -> None:
                    help="cgroup glob, matched anywhere in the hierarchy (e.g. 'agent-sandbox-*.slice')")
     s.add_argument("--disabled", action="store_true", help="add: add the scope disabled")
     s.add_argument("--json", action="store_true", help="list: print JSON")
-    s.add_argument("--cgroup-root", help=argparse.SUPPRESS)  # tests: a fake cgroupfs tree
+    add_cgroup_options(s)
     s.set_defaults(func=cmd_scope)

@@ -13,7 +13,16 @@ from ..cgroups.backends import open_backend
 from ..datapath import control
 from ..host import facts
 from ..host.runstate import RunState
-from ._common import EXIT_RUNTIME, PROG, CliError, control_path_of, fmt, run_dir_of
+from ._common import (
+    EXIT_RUNTIME,
+    PROG,
+    CliError,
+    add_cgroup_options,
+    cgroup_root_of,
+    control_path_of,
+    fmt,
+    run_dir_of,
+)
 from .table import BYTES, INT, RATIO, Column, Table, key, plain
 
 
@@ -120,7 +129,7 @@ def register(sub) -> None:
     s.add_argument("--cgroup", metavar="GLOB", action="append",
                    help="per cgroup matching GLOB (anywhere in the hierarchy; repeatable): "
                         "orig, stored and ratio of its swapped pages")
-    s.add_argument("--cgroup-root", help=argparse.SUPPRESS)
+    add_cgroup_options(s)
     s.set_defaults(func=cmd_stats)
 
 
@@ -198,7 +207,7 @@ def _cmd_stats_cgroup(args) -> int:
         raise CliError(f"no device attached from {run_dir}: `{PROG} up` first",
                        EXIT_RUNTIME)
     control_path = control_path_of(args)
-    backend = open_backend(args.cgroup_root or "/")
+    backend = open_backend(cgroup_root_of(args))
     try:
         res = cgstats.collect(backend, args.cgroup, control_path, state.device)
     except ValueError as e:

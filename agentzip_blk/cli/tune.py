@@ -12,7 +12,16 @@ import argparse
 import os
 import sys
 
-from ._common import PROG, CliError, config_of, run_dir_of, size_arg
+from ._common import (
+    PROG,
+    CliError,
+    add_cgroup_options,
+    cgroup_root_of,
+    cgroup_tree_of,
+    config_of,
+    run_dir_of,
+    size_arg,
+)
 
 
 def _settings(args, config):
@@ -36,15 +45,17 @@ def cmd_tune(args) -> int:
     from ..config import DEFAULT_CONFIG_PATH
     from ..host import facts
 
-    root = args.cgroup_root or "/"
-    if root == "/":
+    if args.cgroup_tree is None:
+        # cgroupfs, wherever it is mounted, takes root's writes only; a tree of plain files
+        # (the tests') belongs to whoever made it
         facts.require_root(f"{PROG} tune")
     config = config_of(args)
     run_dir = run_dir_of(args, config)
     settings = _settings(args, config)
     config_path = args.config or (DEFAULT_CONFIG_PATH if os.path.exists(DEFAULT_CONFIG_PATH) else None)
     try:
-        return daemon.run(run_dir, config, config_path, settings, cgroup_root=root,
+        return daemon.run(run_dir, config, config_path, settings,
+                          cgroup_root=cgroup_root_of(args), cgroup_tree=cgroup_tree_of(args),
                           steps=args.steps, keep=args.keep, heartbeat=args.heartbeat,
                           without_device=args.without_device)
     except daemon.TunerBusy as e:
@@ -80,7 +91,7 @@ def register(sub) -> None:
     s.add_argument("--pod-swap-max", action="store_true",
                    help="also write memory.swap.max = max on kubelet Pod cgroups (kubepods*), "
                         "which the kubelet's memorySwap.swapBehavior manages otherwise")
-    s.add_argument("--cgroup-root", help=argparse.SUPPRESS)  # tests: fake cgroupfs tree
+    add_cgroup_options(s)
     s.add_argument("--without-device", action="store_true", help=argparse.SUPPRESS)
     s.set_defaults(func=cmd_tune)
 

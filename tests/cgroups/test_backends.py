@@ -9,7 +9,8 @@ import sys
 from agentzip_blk.cgroups.backends import V1Backend, V2Backend, open_backend, parse_psi
 from agentzip_blk.cgroups.fs import MemoryCgroup
 from agentzip_blk.cgroups.ledger import Ledger
-from cgfake import fake_hybrid, fake_v2, r, real_v1, w
+from agentzip_blk.cgroups.tree import PlainTree
+from cgfake import fake_hybrid, fake_v2, plain, r, real_v1, w
 
 SANDBOX = "/agents/agent-sandbox-1.slice"
 
@@ -42,8 +43,8 @@ def test_v2_detect_walk_and_reads(tmp_path):
 
 def test_v2_writes_go_through_the_writer_and_reclaim_is_transient(tmp_path):
     root, mnt = fake_v2(tmp_path, {SANDBOX: {}})
-    ledger = Ledger(str(tmp_path / "run"), fake=True)
-    b = open_backend(root, writer=ledger)
+    ledger = Ledger(str(tmp_path / "run"), PlainTree(root))
+    b = open_backend(writer=ledger, controller=plain(root))
     assert b.prepare(SANDBOX, 1 << 20) == ["memory.swap.max"]
     assert r(f"{mnt}{SANDBOX}/memory.swap.max") == "max"
     assert b.prepare(SANDBOX, 1 << 20) == []  # already allowed: no second write
@@ -97,8 +98,8 @@ def test_hybrid_detection_and_mirrored_psi(tmp_path):
 def test_v1_prepare_fake(tmp_path):
     root, v1, _ = fake_hybrid(tmp_path, {SANDBOX: {"memory.memsw.limit_in_bytes": "104857600\n",
                                                    "memory.limit_in_bytes": "104857600\n"}})
-    ledger = Ledger(str(tmp_path / "run"), fake=True)
-    b = open_backend(root, writer=ledger)
+    ledger = Ledger(str(tmp_path / "run"), PlainTree(root))
+    b = open_backend(writer=ledger, controller=plain(root))
     done = b.prepare(SANDBOX, 32 << 20)
     assert done == ["memory.memsw.limit_in_bytes", "memory.swappiness", "memory.soft_limit_in_bytes"]
     assert r(f"{v1}{SANDBOX}/memory.memsw.limit_in_bytes") == "-1"

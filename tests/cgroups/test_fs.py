@@ -1,4 +1,5 @@
-"""agentzip_blk.cgroups.fs: v2 logic on a fake cgroupfs tree, v1 on the real controller."""
+"""agentzip_blk.cgroups.fs: v2 logic on a fake cgroupfs tree (plain files, declared as such:
+cgfake.plain), v1 on the real controller."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 import pytest
 
 from agentzip_blk.cgroups.fs import CgroupError, LimitBusy, MemoryCgroup, detect
-from cgfake import real_v1
+from cgfake import plain, real_v1
 
 # ---------------------------------------------------------------------------------------
 # fake trees
@@ -76,21 +77,21 @@ def test_detect_v2_without_memory_controller_is_an_error(tmp_path):
 def test_create_v2_enables_memory_in_own_subtree_control(tmp_path):
     root, mnt = fake_v2(tmp_path)
     own = f"{mnt}/user.slice/me.scope"
-    cg = MemoryCgroup.create("job", root=root)
+    cg = MemoryCgroup.create("job", controller=plain(root))
     assert cg.version == 2
     assert cg.path == own + "/job"
     assert os.path.isdir(cg.path)
     assert _r(own + "/cgroup.subtree_control") == "+memory"
     # already enabled: nothing rewritten
     _w(own + "/cgroup.subtree_control", "memory pids\n")
-    MemoryCgroup.create("job2", root=root)
+    MemoryCgroup.create("job2", controller=plain(root))
     assert _r(own + "/cgroup.subtree_control") == "memory pids\n"
 
 
 def test_create_v2_walks_up_when_memory_not_available(tmp_path):
     root, mnt = fake_v2(tmp_path, own_ctrls="cpu pids", parent_ctrls="cpu memory pids",
                         parent_subtree="cpu pids")
-    MemoryCgroup.create("job", root=root)
+    MemoryCgroup.create("job", controller=plain(root))
     assert _r(f"{mnt}/user.slice/cgroup.subtree_control") == "+memory"
     assert _r(f"{mnt}/user.slice/me.scope/cgroup.subtree_control") == "+memory"
     # the root already had it
@@ -101,16 +102,16 @@ def test_create_rejects_bad_names_and_existing(tmp_path):
     root, _ = fake_v2(tmp_path)
     for bad in ("", "a/b", "..", "."):
         with pytest.raises(CgroupError, match="bad cgroup name"):
-            MemoryCgroup.create(bad, root=root)
-    MemoryCgroup.create("job", root=root)
+            MemoryCgroup.create(bad, controller=plain(root))
+    MemoryCgroup.create("job", controller=plain(root))
     with pytest.raises(CgroupError, match="already exists"):
-        MemoryCgroup.create("job", root=root)
-    assert MemoryCgroup.create("job", root=root, exist_ok=True).name == "job"
+        MemoryCgroup.create("job", controller=plain(root))
+    assert MemoryCgroup.create("job", controller=plain(root), exist_ok=True).name == "job"
 
 
 def test_v2_limits_usage_stat(tmp_path):
     root, _ = fake_v2(tmp_path)
-    cg = MemoryCgroup.create("job", root=root)
+    cg = MemoryCgroup.create("job", controller=plain(root))
     _w(cg.file("memory.high"), "max\n")
     _w(cg.file("memory.max"), "max\n")
 
@@ -149,7 +150,7 @@ def test_v2_limits_usage_stat(tmp_path):
 def test_v2_add_pid_and_remove_moves_strays_to_parent(tmp_path):
     root, mnt = fake_v2(tmp_path)
     own = f"{mnt}/user.slice/me.scope"
-    with MemoryCgroup.create("job", root=root) as cg:
+    with MemoryCgroup.create("job", controller=plain(root)) as cg:
         cg.add_pid(777)
         assert cg.pids() == [777]
         assert cg.parent().path == own

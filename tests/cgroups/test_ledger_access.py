@@ -16,6 +16,7 @@ import pytest
 from agentzip_blk.cgroups import ledger
 from agentzip_blk.cgroups.fs import CgroupError, MemoryCgroup
 from agentzip_blk.cgroups.ledger import Ledger, NotACgroupFile, write_cgroup_file
+from agentzip_blk.cgroups.tree import PlainTree
 
 
 def _plant(run: Path, entries: list[dict]) -> None:
@@ -66,13 +67,13 @@ def test_fake_trees_still_refuse_unknown_names_and_links(tmp_path):
     cg = tmp_path / "cg"
     cg.mkdir()
     (cg / "memory.high").symlink_to(victim)
-    led = Ledger(str(tmp_path / "run"), fake=True)
+    led = Ledger(str(tmp_path / "run"), PlainTree(str(tmp_path)))
     with pytest.raises(NotACgroupFile, match="symbolic link"):
         led.write(str(cg / "memory.high"), "5")
     with pytest.raises(NotACgroupFile, match="not a cgroup file"):
         led.write(str(tmp_path / "cgroup.procs"), "1")
     with pytest.raises(NotACgroupFile, match="not a cgroup file"):
-        write_cgroup_file(str(victim), "x", fake=True)
+        write_cgroup_file(str(victim), "x", PlainTree(str(tmp_path)))
     assert victim.read_bytes() == b"keep"
     # an unknown name is refused before it is read or recorded
     assert [os.path.basename(e.path) for e in led.entries()] == ["memory.high"]

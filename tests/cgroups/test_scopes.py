@@ -13,6 +13,7 @@ from agentzip_blk import cli
 from agentzip_blk.cgroups import ledger, scopes
 from agentzip_blk.cgroups.ledger import Ledger
 from agentzip_blk.cgroups.scopes import covered, match, scoped_cgroups
+from agentzip_blk.cgroups.tree import PlainTree
 from agentzip_blk.config import ConfigError, Scope, load_config
 from cgfake import fake_v2, r, w
 
@@ -181,7 +182,7 @@ def test_ledger_records_before_writing_and_restores(tmp_path):
     cg = tmp_path / "cg"
     w(str(cg / "memory.high"), "max\n")
     w(str(cg / "memory.swap.max"), "0\n")
-    led = Ledger(str(tmp_path / "run"), fake=True)
+    led = Ledger(str(tmp_path / "run"), PlainTree(str(tmp_path)))
     led.write(str(cg / "memory.high"), "1000")
     led.write(str(cg / "memory.high"), "900")  # the original stays the first one seen
     led.write(str(cg / "memory.swap.max"), "max")
@@ -189,7 +190,7 @@ def test_ledger_records_before_writing_and_restores(tmp_path):
     assert [(os.path.basename(e["path"]), e["original"], e["last"]) for e in on_disk["entries"]] == [
         ("memory.high", "max", "900"), ("memory.swap.max", "0", "max")]
     # another process (a new Ledger object) sees the same record
-    report = Ledger(str(tmp_path / "run"), fake=True).restore()
+    report = Ledger(str(tmp_path / "run"), PlainTree(str(tmp_path))).restore()
     assert len(report.restored) == 2 and not report.failed
     assert r(str(cg / "memory.high")) == "max"
     assert r(str(cg / "memory.swap.max")) == "0"
@@ -201,18 +202,18 @@ def test_ledger_write_ahead_survives_a_failed_write(tmp_path, monkeypatch):
     w(str(cg / "memory.high"), "max\n")
     real_write = ledger.write_cgroup_file
 
-    def crash(path, value, fake=False):
+    def crash(path, value, tree):
         raise OSError(5, "Input/output error")  # e.g. the tuner dies inside the write
 
     monkeypatch.setattr(ledger, "write_cgroup_file", crash)
     with pytest.raises(OSError):
-        Ledger(str(tmp_path / "run"), fake=True).write(str(cg / "memory.high"), "5")
+        Ledger(str(tmp_path / "run"), PlainTree(str(tmp_path))).write(str(cg / "memory.high"), "5")
     monkeypatch.setattr(ledger, "write_cgroup_file", real_write)
     # the original was on disk before the write was tried
     entries = Ledger(str(tmp_path / "run")).entries()
     assert [(e.original, e.last) for e in entries] == [("max", "")]
     w(str(cg / "memory.high"), "5")  # as if the write had landed after all
-    assert len(ledger.release_all(str(tmp_path / "run"), fake=True).restored) == 1
+    assert len(ledger.release_all(str(tmp_path / "run"), PlainTree(str(tmp_path))).restored) == 1
     assert r(str(cg / "memory.high")) == "max"
 
 
@@ -220,17 +221,18 @@ def test_ledger_drops_removed_and_recreated_cgroups(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     for d in (a, b):
         w(str(d / "memory.high"), "max\n")
-    led = Ledger(str(tmp_path / "run"), fake=True)
+    led = Ledger(str(tmp_path / "run"), PlainTree(str(tmp_path)))
     led.write(str(a / "memory.high"), "1")
     led.write(str(b / "memory.high"), "2")
-    # a: removed; b: removed and created again (another cgroup under the same name)
+    # a: removed; b: removed and created again (another cgroup under the same name). The new
+    # b is made while the old one still holds its inode, then renamed into place: a freed
+    # inode number may be handed out again at once, and the new b must not get the old one
+    w(str(tmp_path / "b.new" / "memory.high"), "new\n")
     for f in (a / "memory.high", b / "memory.high"):
         os.unlink(f)
     os.rmdir(a)
     os.rmdir(b)
-    w(str(b / "x"), "")  # occupy the old inode number with something else first
-    os.makedirs(b, exist_ok=True)
-    w(str(b / "memory.high"), "new\n")
+    os.rename(tmp_path / "b.new", b)
     report = led.restore()
     assert len(report.gone) == 2 and not report.restored
     assert r(str(b / "memory.high")) == "new\n"
@@ -239,17 +241,18 @@ def test_ledger_drops_removed_and_recreated_cgroups(tmp_path):
 
 def test_release_unscoped_restores_only_uncovered(tmp_path):
     cgs = {n: tmp_path / "fs" / n for n in ("agent-1", "agent-2", "other")}
-    led = Ledger(str(tmp_path / "run"), fake=True, rel_of=lambda d: "/" + os.path.basename(d))
+    tree = PlainTree(str(tmp_path))
+    led = Ledger(str(tmp_path / "run"), tree, rel_of=lambda d: "/" + os.path.basename(d))
     for n, d in cgs.items():
         w(str(d / "memory.high"), "max\n")
         led.write(str(d / "memory.high"), "7")
     report = ledger.release_unscoped(str(tmp_path / "run"), [Scope("agent-1"), Scope("other")],
-                                     fake=True)
+                                     tree)
     assert [e.cgroup for e in report.restored] == ["/agent-2"]
     assert r(str(cgs["agent-2"] / "memory.high")) == "max"
     assert r(str(cgs["agent-1"] / "memory.high")) == "7"
     assert sorted(led.cgroups()) == ["/agent-1", "/other"]
-    assert len(ledger.release_all(str(tmp_path / "run"), fake=True).restored) == 2
+    assert len(ledger.release_all(str(tmp_path / "run"), tree).restored) == 2
     assert r(str(cgs["other"] / "memory.high")) == "max"
 
 
@@ -261,7 +264,7 @@ OTHER = "/agents/other.slice"
 
 def _cli(tmp_path, root, *argv):
     return cli.main(["--config", str(tmp_path / "config.yaml"), "--run-dir", str(tmp_path / "run"),
-                     *argv, "--cgroup-root", root])
+                     *argv, "--cgroup-tree", root])
 
 
 def _v2_files(mnt, rel):
@@ -323,7 +326,7 @@ def test_tune_heartbeat_says_ready_only_with_a_device(tmp_path):
         beat.unlink(missing_ok=True)
         r = subprocess.run([az, "--config", str(tmp_path / "config.yaml"), "--run-dir",
                             str(tmp_path / "run"), "tune", "--steps", "2", "--interval", "0.01",
-                            "--cgroup-root", root, "--heartbeat", str(beat), *extra],
+                            "--cgroup-tree", root, "--heartbeat", str(beat), *extra],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         b = heartbeat.read(str(beat))

@@ -10,6 +10,7 @@ import pytest
 
 from agentzip_blk.cgroups.backends import Counters, open_backend
 from agentzip_blk.cgroups.ledger import Ledger
+from agentzip_blk.cgroups.tree import PlainTree
 from agentzip_blk.cgroups.tuner.controller import (
     Controller,
     PressureMeter,
@@ -17,7 +18,7 @@ from agentzip_blk.cgroups.tuner.controller import (
 )
 from agentzip_blk.cgroups.tuner.loop import Tuner
 from agentzip_blk.config import Scope, parse_config
-from cgfake import fake_v2, r, w
+from cgfake import fake_v2, plain, r, w
 
 MiB = 1 << 20
 TARGET = 0.001  # 0.1 %
@@ -163,8 +164,8 @@ def _files(mnt, rel):
 
 
 def _tuner(tmp_path, root, scope_list, pressure, clock, lines, **kw):
-    ledger = Ledger(str(tmp_path / "run"), fake=True)
-    backend = open_backend(root, writer=ledger)
+    ledger = Ledger(str(tmp_path / "run"), PlainTree(root))
+    backend = open_backend(writer=ledger, controller=plain(root))
     ledger.rel_of = backend.rel_of
     return Tuner(backend, ledger, lambda: scope_list, settings(**kw), clock=clock,
                  pressure=pressure, log=lines.append), ledger
@@ -247,8 +248,8 @@ def test_tuner_honours_the_ceiling_from_before_it_came(tmp_path):
 def test_tuner_skips_cgroups_holding_the_server(tmp_path):
     root, mnt = _tree(tmp_path)
     clock, lines = Clock(), []
-    ledger = Ledger(str(tmp_path / "run"), fake=True)
-    backend = open_backend(root, writer=ledger)
+    ledger = Ledger(str(tmp_path / "run"), PlainTree(root))
+    backend = open_backend(writer=ledger, controller=plain(root))
     tuner = Tuner(backend, ledger, lambda: [Scope("*.slice")], settings(), clock=clock,
                   pressure=lambda rel, now: 0.0, protected_pids=lambda: [200], log=lines.append)
     d = tuner.step()
@@ -260,8 +261,8 @@ def test_tuner_skips_cgroups_holding_the_server(tmp_path):
 
 def test_tuner_waits_while_the_device_is_detached(tmp_path):
     root, mnt = _tree(tmp_path)
-    ledger = Ledger(str(tmp_path / "run"), fake=True)
-    backend = open_backend(root, writer=ledger)
+    ledger = Ledger(str(tmp_path / "run"), PlainTree(root))
+    backend = open_backend(writer=ledger, controller=plain(root))
     lines = []
     tuner = Tuner(backend, ledger, lambda: [Scope("agent-sandbox-*.slice")], settings(),
                   clock=Clock(), pressure=lambda rel, now: 0.0, device_ok=lambda: False,
@@ -277,8 +278,8 @@ def test_pingpong_is_shared_by_major_faults(tmp_path):
     root, mnt = _tree(tmp_path)
     for rel in (SANDBOX, OTHER):
         os.unlink(f"{mnt}{rel}/memory.pressure")
-    ledger = Ledger(str(tmp_path / "run"), fake=True)
-    backend = open_backend(root, writer=ledger)
+    ledger = Ledger(str(tmp_path / "run"), PlainTree(root))
+    backend = open_backend(writer=ledger, controller=plain(root))
     ping = [0]
     clock = Clock()
     tuner = Tuner(backend, ledger, lambda: [Scope("*.slice")], settings(fault_cost_us=100.0),

@@ -33,7 +33,7 @@ def tree(tmp_path):
 
 def _tune(tmp_path, root):
     return run("--config", tmp_path / "config.yaml", "--run-dir", tmp_path / "run", "tune",
-               "--cgroup-root", root, "--without-device", "--steps", "1", "--interval", "0.01")
+               "--cgroup-tree", root, "--without-device", "--steps", "1", "--interval", "0.01")
 
 
 @pytest.mark.parametrize("name", [daemon.TUNER_PID, daemon.TUNER_LOCK])
@@ -51,7 +51,7 @@ def test_the_files_are_0600_whatever_the_umask(tmp_path, tree):
     old = os.umask(0o022)
     try:
         pid = daemon.start_daemon(str(tmp_path / "run"), str(tmp_path / "config.yaml"),
-                                  ["--cgroup-root", root, "--without-device", "--steps", "40",
+                                  ["--cgroup-tree", root, "--without-device", "--steps", "40",
                                    "--interval", "0.05"])
     finally:
         os.umask(old)
@@ -68,7 +68,7 @@ def test_a_planted_log_link_is_not_appended_to(tmp_path, tree):
     (tmp_path / "run" / daemon.TUNER_LOG).symlink_to(victim)
     with pytest.raises(OSError):
         daemon.start_daemon(str(tmp_path / "run"), str(tmp_path / "config.yaml"),
-                            ["--cgroup-root", root, "--without-device", "--steps", "1",
+                            ["--cgroup-tree", root, "--without-device", "--steps", "1",
                              "--interval", "0.01"])
     time.sleep(1.0)  # a tuner started anyway would have logged by now
     assert victim.read_bytes() == b"precious\n"

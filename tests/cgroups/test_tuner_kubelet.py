@@ -7,10 +7,11 @@ import pytest
 
 from agentzip_blk.cgroups.backends import open_backend
 from agentzip_blk.cgroups.ledger import Ledger
+from agentzip_blk.cgroups.tree import PlainTree
 from agentzip_blk.cgroups.tuner.controller import TunerSettings
 from agentzip_blk.cgroups.tuner.loop import Tuner, kubelet_managed
 from agentzip_blk.config import Scope
-from cgfake import fake_v2, r
+from cgfake import fake_v2, plain, r
 
 MiB = 1 << 20
 POD = "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod7a3c2f10_1b2d.slice"
@@ -32,8 +33,8 @@ def test_pod_swap_max_is_opt_in(tmp_path, pod_swap_max):
         POD: {"cgroup.procs": "100\n", "memory.current": str(1000 * MiB)},
         SANDBOX: {"cgroup.procs": "200\n", "memory.current": str(1000 * MiB)},
     })
-    ledger = Ledger(str(tmp_path / "run"), fake=True)
-    backend = open_backend(root, writer=ledger)
+    ledger = Ledger(str(tmp_path / "run"), PlainTree(root))
+    backend = open_backend(writer=ledger, controller=plain(root))
     ledger.rel_of = backend.rel_of
     lines: list[str] = []
     s = TunerSettings(interval=1.0, floor=64 * MiB, grace=0.0, pod_swap_max=pod_swap_max)

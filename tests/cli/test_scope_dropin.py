@@ -30,7 +30,7 @@ JOB = "/agents/ci-7.scope"
 
 def _scope(tmp_path, root, *argv):
     return run("scope", *argv, "--config", tmp_path / "config.yaml", "--run-dir",
-               tmp_path / "run", "--cgroup-root", root)
+               tmp_path / "run", "--cgroup-tree", root)
 
 
 def _listed(tmp_path, root) -> list[dict]:

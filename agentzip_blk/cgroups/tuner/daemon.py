@@ -20,6 +20,7 @@ from ... import procfs
 from ...errors import SetupError
 from ...host.procs import pid_alive
 from ...host.rundir import open_private
+from ..tree import CGROUPFS, CgroupTree
 
 TUNER_PID = "tuner.pid"
 TUNER_LOG = "tuner.log"
@@ -125,12 +126,14 @@ def _print(line: str) -> None:
 
 
 def run(run_dir: str, config, config_path: str | None, settings, *, cgroup_root: str = "/",
-        steps: int | None = None, keep: bool = False, heartbeat: str | None = None,
-        without_device: bool = False, log: Callable[[str], None] = _print) -> int:
+        cgroup_tree: CgroupTree = CGROUPFS, steps: int | None = None, keep: bool = False,
+        heartbeat: str | None = None, without_device: bool = False,
+        log: Callable[[str], None] = _print) -> int:
     """Tune the scoped cgroups until SIGTERM, SIGHUP or Ctrl-C (or ``steps`` decisions per
     cgroup), one log line per decision; then put back every setting written, unless
     ``keep`` (the ledger keeps them for `down`). ``heartbeat``: a file written after every
-    step (Kubernetes probes). ``cgroup_root``: where the cgroup hierarchies are mounted.
+    step (Kubernetes probes). ``cgroup_root``: where the cgroup hierarchies are mounted;
+    ``cgroup_tree``: what kind of tree they are (cgroupfs; the tests' plain files).
     Raises TunerBusy when another tuner holds the run directory."""
     from ... import procfs
     from ...config.quantities import format_bytes
@@ -138,13 +141,14 @@ def run(run_dir: str, config, config_path: str | None, settings, *, cgroup_root:
     from ...host.heartbeat import write as write_heartbeat
     from ...host.runstate import RunState
     from ..backends import open_backend
+    from ..fs import detect
     from ..ledger import Ledger
     from .loop import Tuner
 
     fd = acquire_instance(run_dir)
     try:
-        ledger = Ledger(run_dir, fake=cgroup_root != "/")
-        backend = open_backend(cgroup_root, writer=ledger)
+        ledger = Ledger(run_dir, cgroup_tree)
+        backend = open_backend(writer=ledger, controller=detect(cgroup_root, tree=cgroup_tree))
         ledger.rel_of = backend.rel_of
 
         def state():
