@@ -372,10 +372,12 @@ class Agentzip(NoSwap):
         # the defaults, except where this run's state lives; no scope unless tuned (the default
         # scope glob would match other runs' agent-sandbox-*.slice cgroups on this host)
         with open(self.cfg, "w") as f:
+            device = "".join(f"  {k}: {v}\n" for k, v in EXTRA_CONFIG.get("device", {}).items())
             f.write(f"pool:\n  swap_out_path: {os.path.join(self.dir, 'disk-tier')}\n"
-                    f"device:\n  run_dir: {self.run_dir}\nscopes: []\n")
+                    f"device:\n  run_dir: {self.run_dir}\n{device}scopes: []\n")
             for section, values in EXTRA_CONFIG.items():  # --set (the pool key not among them)
-                f.write(f"{section}:\n" + "".join(f"  {k}: {v}\n" for k, v in values.items()))
+                if section != "device":
+                    f.write(f"{section}:\n" + "".join(f"  {k}: {v}\n" for k, v in values.items()))
         if self.tuned:
             self._run("scope", "add", "--cgroup", self.glob)
         t = time.monotonic()
@@ -998,7 +1000,7 @@ def parse_args(argv):
     ap.add_argument("--ns", help="quick/fixed mode: comma list of N (no search)")
     ap.add_argument("--seed", type=int)
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                    help="a config key for agentzip-blk (compression or policy), e.g. "
+                    help="a config key for agentzip-blk (compression, policy or device), e.g. "
                          "compression.warm_algorithm=none; repeatable")
     ap.add_argument("--workdir", help="where the run's temporary state goes (/tmp)")
     ap.add_argument("--json", default=None, help="results/bench_density.json (quick: none)")
@@ -1031,8 +1033,10 @@ def main(argv=None) -> int:
     for item in a.set:
         key, sep, value = item.partition("=")
         section, dot, name = key.partition(".")
-        if not sep or not dot or section not in ("compression", "policy"):
-            print(f"bench_density: --set {item!r}: use compression.KEY=VALUE or policy.KEY=VALUE",
+        if not sep or not dot or section not in ("compression", "policy", "device") \
+                or key in ("device.run_dir", "device.size"):
+            print(f"bench_density: --set {item!r}: use compression.KEY=VALUE, policy.KEY=VALUE "
+                  "or device.KEY=VALUE (not run_dir or size: the bench sets those)",
                   file=sys.stderr)
             return 2
         EXTRA_CONFIG.setdefault(section, {})[name] = value
