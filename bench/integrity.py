@@ -65,7 +65,7 @@ class Clock:
         return self.now
 
 
-def make_store(tier_dir: str, max_size: int = 4 << 30, threshold: int = 80):
+def make_store(tier_dir: str, max_size: int = 4 << 30, threshold: int = 80, **kwargs):
     from agentzip_blk.config import Config
     from agentzip_blk.store.pagestore import PageStore
     from agentzip_blk.store.tiering import Tiering
@@ -78,7 +78,7 @@ def make_store(tier_dir: str, max_size: int = 4 << 30, threshold: int = 80):
     clock = Clock()
     store = PageStore(4 << 30, algorithm=cfg.compression.algorithm, level=cfg.compression.level,
                       tiering=Tiering.from_config(cfg), dictionary="none",
-                      frame_pages=cfg.compression.frame_pages, clock=clock)
+                      frame_pages=cfg.compression.frame_pages, clock=clock, **kwargs)
     return store, clock
 
 
@@ -190,32 +190,39 @@ def demotion_contention(mib: int, tier_dir: str) -> dict:
     """4 KiB reads of pool pages (one thread) while the main thread demotes the other half
     of the pages, 512 blobs per round: what a demotion round makes a read wait. Uses only
     the API every tree has (`--lock-tree`)."""
+    import inspect
     import threading
 
-    store, clock = make_store(tier_dir)
+    from agentzip_blk.store.pagestore import PageStore
+
     holds: list[float] = []
     demoter = threading.get_ident()
 
     class TimedLock:
-        """The store lock, timing each hold by the demoting thread."""
+        """The store lock, timing each hold by the demoting thread while `on`."""
 
         def __init__(self, lock) -> None:
-            self.lock, self.t = lock, 0.0
+            self.lock, self.t, self.on = lock, 0.0, False
 
         def __enter__(self):
             self.lock.acquire()
-            if threading.get_ident() == demoter:
+            if self.on and threading.get_ident() == demoter:
                 self.t = time.perf_counter()
             return self
 
         def __exit__(self, *exc) -> None:
-            if threading.get_ident() == demoter:
+            if self.on and threading.get_ident() == demoter:
                 holds.append(time.perf_counter() - self.t)
             self.lock.release()
 
         def locked(self) -> bool:
             return self.lock.locked()
 
+    # A tree whose store takes its lock when built (its parts hold it from then on) gets
+    # the timed one then; an older tree's is swapped in for the demotion rounds.
+    built_with = "lock" in inspect.signature(PageStore).parameters
+    timed = TimedLock(threading.Lock())
+    store, clock = make_store(tier_dir, **({"lock": timed} if built_with else {}))
     try:
         data = chunks(mib, seed=3)
         for i, chunk in enumerate(data):
@@ -240,7 +247,9 @@ def demotion_contention(mib: int, tier_dir: str) -> dict:
         thread = threading.Thread(target=reader)
         thread.start()
         time.sleep(0.2)
-        store.lock = TimedLock(store.lock)
+        if not built_with:
+            timed.lock, store.lock = store.lock, timed
+        timed.on = True
         t0 = time.perf_counter()
         moved = 0
         while True:
@@ -252,7 +261,9 @@ def demotion_contention(mib: int, tier_dir: str) -> dict:
         wall = t1 - t0
         stop.set()
         thread.join()
-        store.lock = store.lock.lock
+        timed.on = False
+        if not built_with:
+            store.lock = timed.lock
         lat = [d for t, d in lat if t0 <= t < t1]  # the reads that met a demotion round
         return {"demoted_blobs": moved, "demote_wall_s": round(wall, 3), "reads": len(lat),
                 "read4k_p50_us": round(pct(lat, 0.5) * 1e6, 1),

@@ -147,6 +147,15 @@ def test_the_contract_catches_an_upward_import(tmp_path):
     assert res.returncode != 0 and "agentzip_blk.store._probe_upward" in res.stdout
 
 
+def test_the_contract_keeps_the_store_facade_on_top(tmp_path):
+    """Inside the store, the tiers, the accounting and the recompressor get the store's
+    parts (store/parts.py), never the facade: not even a TYPE_CHECKING import of it."""
+    res = _lint_a_copy(tmp_path, "agentzip_blk/store/tiering.py",
+                       "if TYPE_CHECKING:\n    from .pagestore import PageStore  # noqa: F401\n")
+    assert res.returncode != 0, res.stdout
+    assert "agentzip_blk.store.tiering -> agentzip_blk.store.pagestore" in res.stdout, res.stdout
+
+
 def test_the_contract_catches_a_bench_importing_another(tmp_path):
     """And for the benchmarks: a bench importing another bench, the harness importing a
     bench, the package importing the benchmarks."""

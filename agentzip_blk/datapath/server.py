@@ -173,7 +173,7 @@ class Server:
         self.freed = FreedSlots(self.config.device.swap_map,
                                 lambda: self.guard.device if self.guard else None)
         self.store.kernel_map = self.freed.read
-        self.maintainer = Maintainer(self.store)
+        self.maintainer = Maintainer(self.store.parts, self.store.maintain)
         self.maintainer.start()
         if taken is not None:
             self._serve_taken(*taken)
@@ -447,7 +447,7 @@ class Server:
             giver.go()
         except Exception as exc:
             giver.close()
-            self.maintainer = Maintainer(self.store)
+            self.maintainer = Maintainer(self.store.parts, self.store.maintain)
             self.maintainer.start()
             self.fuse.resume()
             _say(f"agentzip: handover to pid {pid} failed, serving on: {exc}")

@@ -4,13 +4,18 @@ for per-cgroup accounting, and `check`, the cross-check of every book (for tests
 Memory is counted as the kernel counts it: the big preallocated tables cost the pages
 actually touched, not their mappings. The caller holds the store lock, except for `stats`,
 which takes it for what it copies and counts after.
+
+Each function takes the store's parts (parts.StoreParts), not the store, and what else it
+reads as an argument: `outside`, the counters of another request path over the same books
+(PageStore.outside, a callable: the native path sets it after the store is built), the
+recompressor and the reclaim threshold.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,52 +29,11 @@ from .tables import array_resident_bytes
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from ..codec.codecs import Codec, CodecSet
-    from ..codec.dictionaries import StoreDictionaries
-    from .blobs import BlobTable
-    from .cache import HotCache
-    from .dedup import DedupIndex
-    from .disk import DiskTier
-    from .objects import Counters, Objects
-    from .placement import Placer
-    from .pool import Pool
+    from .parts import StoreParts
     from .recompress import Recompressor
-    from .slots import SlotTable
-    from .tiering import Tiers
 
 
-class AccountedStore(Protocol):
-    """What the accounting reads of the store (store.PageStore is one): its tables and
-    parts, its clock and the counters of its request paths. A protocol, so that this module
-    does not import pagestore, which imports it."""
-
-    size: int
-    nslots: int
-    page_size: int
-    frame_pages: int
-    slots: SlotTable
-    blobs: BlobTable
-    index: DedupIndex
-    pool: Pool
-    disk: DiskTier | None
-    objects: Objects
-    placer: Placer
-    codecs: CodecSet
-    frame_codec: Codec | None
-    warm_codec: Codec | None
-    dicts: StoreDictionaries
-    hot: HotCache
-    counters: Counters
-    tiers: Tiers
-    recompressor: Recompressor
-    cold_ticks: int
-    warm_ticks: int
-    outside: Callable[[], dict[str, int]]
-
-    def now(self) -> int: ...
-
-
-def meta_parts(store: AccountedStore) -> dict[str, int]:
+def meta_parts(parts: StoreParts) -> dict[str, int]:
     """Everything held in memory besides pool arenas, by part. The dedup index counts its
     resident pages (mincore): it is sized for the pages stored, not the device."""
 
@@ -77,22 +41,23 @@ def meta_parts(store: AccountedStore) -> dict[str, int]:
         return sum(array_resident_bytes(a) for a in arrays)
 
     return {
-        "slot_table": store.slots.touched_bytes(),
-        "blob_table": store.blobs.used_bytes,
-        "dedup_index": resident(store.index.arrays()),
-        "codecs": store.codecs.memory_bytes()
-        + (store.frame_codec.memory_bytes() if store.frame_codec else 0)
-        + (store.warm_codec.memory_bytes() if store.warm_codec else 0),
-        "pool_books": store.pool.meta_bytes(),
-        "disk_books": store.disk.meta_bytes() if store.disk else 0,
+        "slot_table": parts.slots.touched_bytes(),
+        "blob_table": parts.blobs.used_bytes,
+        "dedup_index": resident(parts.index.arrays()),
+        "codecs": parts.codecs.memory_bytes()
+        + (parts.frame_codec.memory_bytes() if parts.frame_codec else 0)
+        + (parts.warm_codec.memory_bytes() if parts.warm_codec else 0),
+        "pool_books": parts.pool.meta_bytes(),
+        "disk_books": parts.disk.meta_bytes() if parts.disk else 0,
     }
 
 
-def stored_mem(store: AccountedStore, meta_bytes: int) -> int:
+def stored_mem(parts: StoreParts, meta_bytes: int,
+               outside: Callable[[], dict[str, int]]) -> int:
     """Pool pages touched, metadata, and the decoded copies held (ours, and the native
-    path's frame cache: PageStore.outside)."""
-    outside = store.outside().get("frame_cache_bytes", 0)
-    return store.pool.resident_bytes + meta_bytes + store.objects.cache_bytes() + outside
+    path's frame cache: `outside`)."""
+    held_outside = outside().get("frame_cache_bytes", 0)
+    return parts.pool.resident_bytes + meta_bytes + parts.objects.cache_bytes() + held_outside
 
 
 @dataclass
@@ -116,8 +81,8 @@ class _Frozen:
     hot: np.ndarray  # blobs in the hot cache
 
 
-def _freeze(store: AccountedStore) -> _Frozen:
-    slots, blobs = store.slots, store.blobs
+def _freeze(parts: StoreParts) -> _Frozen:
+    slots, blobs = parts.slots, parts.blobs
     held = slots.blob_slots()
     rows = blobs.rows
     return _Frozen(
@@ -126,43 +91,43 @@ def _freeze(store: AccountedStore) -> _Frozen:
         tier=blobs.tier[:rows].copy(), length=blobs.length[:rows].astype(np.int64),
         pages=blobs.pages[:rows].copy(), form=blobs.form[:rows].copy(),
         atime=blobs.atime[:rows].astype(np.int64), rtime=blobs.rtime[:rows].copy(),
-        ref=blobs.ref[:rows].copy(), now=store.now(),
-        hot=np.array(store.hot.keys(), dtype=np.int64))
+        ref=blobs.ref[:rows].copy(), now=parts.now(),
+        hot=np.array(parts.objects.hot.keys(), dtype=np.int64))
 
 
-def stats(store: AccountedStore, lock) -> dict:
-    """Every figure of the `stats` verb: what must agree is read under `lock` (the store's),
-    the counting is done after it."""
-    page = store.page_size
-    with lock:
-        frozen = _freeze(store)
-        codec_pages = store.objects.codec_pages.copy()
-        same_pages = store.slots.same_pages
-        meta = meta_parts(store)
+def stats(parts: StoreParts, *, recompressor: Recompressor, reclaim_bytes: int,
+          outside: Callable[[], dict[str, int]]) -> dict:
+    """Every figure of the `stats` verb: what must agree is read under the store lock, the
+    counting is done after it."""
+    page = parts.page_size
+    with parts.lock:
+        frozen = _freeze(parts)
+        codec_pages = parts.objects.codec_pages.copy()
+        same_pages = parts.slots.same_pages
+        meta = meta_parts(parts)
         meta_bytes = sum(meta.values())
-        stored = stored_mem(store, meta_bytes)
-        dictionaries = store.dicts.stats(store.blobs, frozen.slot_blobs, page)
-        pool, disk, tiers = store.pool, store.disk, store.tiers
+        stored = stored_mem(parts, meta_bytes, outside)
+        dictionaries = parts.dicts.stats(parts.blobs, frozen.slot_blobs, page)
+        pool, disk = parts.pool, parts.disk
         figures = {
-            "unique_blobs": store.blobs.count,
-            "dedup_unindexed": store.index.unindexed,  # pages left out of the index (dedup.py)
+            "unique_blobs": parts.blobs.count,
+            "dedup_unindexed": parts.index.unindexed,  # pages left out of the index (dedup.py)
             "pool_bytes": pool.allocated_bytes,
             "pool_resident_bytes": pool.resident_bytes,
             "pool_live_bytes": pool.live_bytes,
             "pool_arenas": pool.arena_count,
-            "fragmentation": round(tiers.fragmentation(), 4),
-            "hot_cache_bytes": (store.objects.cache_bytes()
-                                + store.outside().get("frame_cache_bytes", 0)),
+            "fragmentation": round(pool.fragmentation(), 4),
+            "hot_cache_bytes": (parts.objects.cache_bytes()
+                                + outside().get("frame_cache_bytes", 0)),
             "max_size": pool.max_size,
-            "reclaim_bytes": tiers.reclaim_bytes,
+            "reclaim_bytes": reclaim_bytes,
             "disk_mem": disk.file_size if disk else 0,
         }
         disk_figures = {"file_bytes": disk.file_size if disk else 0,
                         "reads": disk.reads if disk else 0,
                         "writes": disk.writes if disk else 0}
-        counters = _counters(store)
-        recompressor = store.recompressor
-        recompress = {"recompressed_pages_total": store.counters.recompressed_pages,
+        counters = _counters(parts, outside)
+        recompress = {"recompressed_pages_total": parts.counters.recompressed_pages,
                       "recompress_cpu_seconds_total": round(recompressor.cpu_seconds, 6),
                       "recompress_raced": recompressor.raced}
     blob_pages = int(codec_pages.sum())
@@ -173,10 +138,10 @@ def stats(store: AccountedStore, lock) -> dict:
     live, lengths = frozen.live, frozen.length
     disk_stored = int(lengths[live & (frozen.tier == DISK)].sum())
     return {
-        "size": store.size,
-        "slots": store.nslots,
+        "size": parts.slots.nslots * page,
+        "slots": parts.slots.nslots,
         "page_size": page,
-        "algorithm": store.codecs.writer.name,
+        "algorithm": parts.codecs.writer.name,
         "orig_mem": orig,
         "stored_mem": stored,
         "ratio": round(orig / stored, 4) if stored else 0.0,
@@ -187,10 +152,10 @@ def stats(store: AccountedStore, lock) -> dict:
         "shared_pages": pages_held["shared"],
         "unique_blobs": figures.pop("unique_blobs"),
         "dedup_saved_pages": blob_pages - pages_held["distinct"],
-        "dedup": store.placer.dedup,
+        "dedup": parts.placer.dedup,
         "dedup_unindexed": figures.pop("dedup_unindexed"),
         # frames: "unit" is their name in the stats interface (docs/JSON.md)
-        "unit_pages": store.frame_pages,
+        "unit_pages": parts.frame_pages,
         "units": int(np.count_nonzero(live & (frozen.pages > 1))),
         "unit_dead_pages": pages_held["dead"],
         "codec_pages": {
@@ -218,20 +183,20 @@ def stats(store: AccountedStore, lock) -> dict:
                 **disk_figures,
             },
         },
-        "temperature": _temperature(store, frozen),
-        **_forms(store, frozen, same_pages),
+        "temperature": _temperature(parts, frozen),
+        **_forms(parts, frozen, same_pages, recompressor.enabled),
         **recompress,
         **counters,
     }
 
 
-def _counters(store: AccountedStore) -> dict:
+def _counters(parts: StoreParts, outside: Callable[[], dict[str, int]]) -> dict:
     """The request counters under their stats names, with the requests another request path
-    served from the same tables (the native path: PageStore.outside)."""
-    counters = {STATS_NAMES.get(k, k): v for k, v in asdict(store.counters).items()}
-    outside = store.outside()
+    served from the same tables (`outside`: the native path's)."""
+    counters = {STATS_NAMES.get(k, k): v for k, v in asdict(parts.counters).items()}
+    served = outside()
     for key in OUTSIDE_COUNTERS:
-        counters[key] += outside.get(key, 0)
+        counters[key] += served.get(key, 0)
     return counters
 
 
@@ -248,11 +213,11 @@ OUTSIDE_COUNTERS = ("reads", "bytes_read", "writes", "bytes_written", "dedup_hit
                     "unit_fallbacks", "units_incompressible")
 
 
-def _forms(store: AccountedStore, f: _Frozen, same_pages: int) -> dict:
+def _forms(parts: StoreParts, f: _Frozen, same_pages: int, recompressing: bool) -> dict:
     """Pages and stored bytes of each form (docs/JSON.md), from the slots holding blobs:
     warm (alone, fast codec) and cold (dense) in the pool, on disk, same-filled; they add
     up to `pages`. Stored bytes are the blobs' compressed lengths (a shared blob once)."""
-    page = store.page_size
+    page = parts.page_size
     in_pool = f.tier[f.slot_blobs] == POOL
     warm_slot = f.form[f.slot_blobs] == WARM
     warm_pages = int(np.count_nonzero(in_pool & warm_slot))
@@ -262,8 +227,8 @@ def _forms(store: AccountedStore, f: _Frozen, same_pages: int) -> dict:
     cold_stored = int(f.length[pool_blobs & (f.form != WARM)].sum())
     cold_pages = pool_pages - warm_pages
     # the recompressor's backlog (Recompressor.backlog), from the same copy
-    due = pool_blobs & (f.form == WARM) & ((f.now - f.atime >= store.cold_ticks) | (f.rtime > 0))
-    backlog = int(f.ref[due].astype(np.int64).sum()) if store.recompressor.enabled else 0
+    due = pool_blobs & (f.form == WARM) & ((f.now - f.atime >= parts.cold_ticks) | (f.rtime > 0))
+    backlog = int(f.ref[due].astype(np.int64).sum()) if recompressing else 0
     return {
         "warm_pages": warm_pages,
         "warm_stored": warm_stored,
@@ -293,15 +258,15 @@ def _pages_held(f: _Frozen) -> dict:
             "dead": stored - len(distinct)}
 
 
-def _temperature(store: AccountedStore, f: _Frozen) -> dict:
+def _temperature(parts: StoreParts, f: _Frozen) -> dict:
     """Pages by temperature: hot (in the hot cache), warm (accessed within
     warm_threshold_ms), cold (untouched for cold_grace_period), idle (in between)."""
     if not len(f.slot_blobs):
         return {"hot": 0, "warm": 0, "idle": 0, "cold": 0}
     age = f.now - f.atime[f.slot_blobs]
     in_cache = np.isin(f.slot_blobs, f.hot)
-    warm = ~in_cache & (age <= store.warm_ticks)
-    cold = ~in_cache & (age >= store.cold_ticks)
+    warm = ~in_cache & (age <= parts.warm_ticks)
+    cold = ~in_cache & (age >= parts.cold_ticks)
     hot = int(in_cache.sum())
     return {
         "hot": hot,
@@ -311,16 +276,16 @@ def _temperature(store: AccountedStore, f: _Frozen) -> dict:
     }
 
 
-def slot_sizes(store: AccountedStore, slots) -> dict:
+def slot_sizes(parts: StoreParts, slots) -> dict:
     """What the given slots cost, for per-cgroup accounting: per slot the stored bytes
     (a shared blob's length divided by its refcount; 0 for same-filled and empty slots),
     whether it holds data, and its tier. Slots outside the device are reported as empty."""
     slots = np.asarray(slots, dtype=np.int64)
-    valid = (slots >= 0) & (slots < store.nslots)
+    valid = (slots >= 0) & (slots < parts.slots.nslots)
     idx = np.where(valid, slots, 0)
-    blobs = store.blobs
-    kinds = np.where(valid, store.slots.kind[idx], EMPTY)
-    blob_ids = np.where(kinds == BLOB, store.slots.handle[idx].astype(np.int64), 0)
+    blobs = parts.blobs
+    kinds = np.where(valid, parts.slots.kind[idx], EMPTY)
+    blob_ids = np.where(kinds == BLOB, parts.slots.handle[idx].astype(np.int64), 0)
     lengths = blobs.length[blob_ids].astype(np.float64)
     refs = np.maximum(blobs.ref[blob_ids].astype(np.float64), 1)
     stored = np.where(kinds == BLOB, lengths / refs, 0.0)
@@ -332,22 +297,22 @@ def slot_sizes(store: AccountedStore, slots) -> dict:
     }
 
 
-def check(store: AccountedStore) -> None:
+def check(parts: StoreParts) -> None:
     """Cross-check every invariant of the books; raises AssertionError."""
-    blobs, slots, pool = store.blobs, store.slots, store.pool
+    blobs, slots, pool = parts.blobs, parts.slots, parts.pool
     held = slots.kind == BLOB
     blob_slots = slots.handle[held].astype(np.int64)
     refs = np.bincount(blob_slots, minlength=blobs.capacity)[: blobs.capacity]
     assert np.array_equal(refs, blobs.ref.astype(np.int64)), "refcounts disagree"
     assert blobs.count == int(np.count_nonzero(refs)), "blob count disagrees"
     live = blobs.live()
-    assert store.index.count + store.index.unindexed == int(
+    assert parts.index.count + parts.index.unindexed == int(
         blobs.pages[live].astype(np.int64).sum()), "index and blob table disagree"
-    assert store.index.unindexed >= 0
+    assert parts.index.unindexed >= 0
     assert (slots.sub[held] < blobs.pages[blob_slots]).all(), "slot names a missing page"
     assert not slots.sub[~held].any()
     slots.check()
-    assert int(store.objects.codec_pages.sum()) == len(blob_slots)
+    assert int(parts.objects.codec_pages.sum()) == len(blob_slots)
     warm = live & (blobs.form == WARM)
     assert (blobs.pages[warm] == 1).all(), "a warm blob holds more than one page"
     assert not (blobs.dict_id[warm]).any(), "a warm blob names a dictionary"
@@ -358,10 +323,10 @@ def check(store: AccountedStore) -> None:
     assert pool.allocated_bytes <= pool.max_size, "pool over its cap"
     assert pool.live_bytes <= pool.resident_bytes <= pool.allocated_bytes
     on_disk = live & (blobs.tier == DISK)
-    if store.disk is not None:
-        sealed = blobs.length[on_disk].astype(np.int64) + store.disk.overhead  # nonce + tag
+    if parts.disk is not None:
+        sealed = blobs.length[on_disk].astype(np.int64) + parts.disk.overhead  # nonce + tag
         extents = (-(-sealed // ALLOC_STEP) * ALLOC_STEP).sum()
-        assert store.disk.live_bytes == int(extents), "disk extents leak"
+        assert parts.disk.live_bytes == int(extents), "disk extents leak"
     else:
         assert not on_disk.any()
 

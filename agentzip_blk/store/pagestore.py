@@ -9,6 +9,9 @@ The facade: it holds the lock, checks ranges, turns unaligned requests into whol
 - `tiering`: demotion, promotion, rewriting sparse frames, compaction, the maintainer;
 - `accounting`: stats, metadata bytes, per-slot sizes, check().
 
+The last two, and the recompressor, get the store's parts (`parts.StoreParts`), never the
+store: none of them calls back into it, and `maintain` alone orders a maintenance round.
+
 Write path for a request: find same-filled pages for the whole request at once with numpy;
 place the rest (share an equal stored page, else compress into frames or single pages, in a
 pool cell or, with the pool at its cap, straight in the disk tier). All new blobs are staged
@@ -43,6 +46,7 @@ from .doorbell import Doorbell
 from .handover import Exported
 from .integrity import Corrupt
 from .objects import Counters, Deferred, Moved, Objects
+from .parts import StoreParts
 from .placement import Placer, Prepared
 from .pool import Pool
 from .recompress import Recompressor
@@ -156,7 +160,8 @@ class PageStore:
                                frames=frames, counters=self.counters, page_size=page_size)
         self._zero_page = bytes(page_size)
         # The one lock of the store's books; the native request path (datapath.native)
-        # passes its own, which its threads take without the GIL.
+        # passes its own, which its threads take without the GIL. Fixed once the store is
+        # built (the parts hold it): to wrap it, pass the wrapper here.
         self.lock: StoreLock = lock if lock is not None else threading.Lock()
         # Reads served from these tables by another request path (the native one):
         # {"reads", "bytes_read", "in_flight"}, for the stats and the recompressor.
@@ -178,17 +183,28 @@ class PageStore:
                              counters=self.counters, frame_pages=frame_pages,
                              hot_ticks=self.hot_ticks, dedup=dedup, hasher=hasher,
                              warm_codec=self.warm_codec)
-        self.recompressor = Recompressor(self, tiering.recompress_cpu)
         # requests started and finished (next() on a count is atomic under the GIL): the
         # recompressor gives way while the difference is not 0
         self._started, self._finished = itertools.count(), itertools.count()
         self._started_n = self._finished_n = 0
-        self.tiers = Tiers(self)
+        # rung when the store needs its maintainer now (tiering.Maintainer waits on it)
+        self.doorbell = Doorbell()
+        # What the background work and the accounting get of this store, instead of the
+        # store itself (store.parts). The request paths below use the attributes above
+        # directly: the parts add no step to a request.
+        self.parts = StoreParts(
+            page_size=page_size, frame_pages=frame_pages, slots=self.slots, blobs=self.blobs,
+            index=self.index, pool=self.pool, disk=self.disk, objects=self.objects,
+            placer=self.placer, codecs=self.codecs, frame_codec=self.frame_codec,
+            warm_codec=self.warm_codec, dicts=self.dicts, counters=self.counters,
+            lock=self.lock, now=self.now, warm_ticks=self.warm_ticks,
+            cold_ticks=self.cold_ticks, doorbell=self.doorbell)
+        self.recompressor = Recompressor(self.parts, tiering.recompress_cpu,
+                                         in_flight=self.requests_in_flight)
+        self.tiers = Tiers(self.parts, tiering)
         self.objects.promote = self.tiers.promote
         self.reclaim_bytes = self.tiers.reclaim_bytes
         self.reclaim_target = self.tiers.reclaim_target
-        # rung when the store needs its maintainer now (tiering.Maintainer waits on it)
-        self.doorbell = Doorbell()
         # A copy of the kernel's swap map of our area, or None (datapath.freed.FreedSlots,
         # device.swap_map): the maintainer forgets the slots it calls free (forget_freed).
         self.kernel_map: Callable[[], np.ndarray | None] | None = None
@@ -708,26 +724,49 @@ class PageStore:
         return self.tiers.compact()
 
     def maintain(self) -> dict:
+        """One round of background work (the maintainer's, and the control socket's
+        `reclaim`). The order of its steps is here and nowhere else: forget the slots the
+        kernel freed; grow the tables ahead of need (dedup index, blob table, arena
+        books); drop the dead pages of sparse frames; pack warm pages (before anything
+        is demoted: under pool pressure the oldest first, whatever their age, since a
+        dense frame is what should go to disk, if anything); give back the blob table's
+        top; move returned copies to disk (policy.returned_to_disk); demote while the
+        pool is above its reclaim threshold; compact; punch freed disk extents; drop idle
+        frame copies; refresh the stats a scraper reads."""
         forgotten = self.forget_freed(self.kernel_map) if self.kernel_map is not None else 0
-        result = self.tiers.maintain()
-        result["kernel_freed"] = forgotten
+        tiers = self.tiers
+        tiers.resize_index()
+        tiers.grow_blob_table()
+        tiers.grow_arena_books()
+        rewritten = tiers.rewrite_sparse_rounds()
+        recompressed = self.recompressor.run(pressure=tiers.reclaiming())
+        tiers.compact_rows()  # 16 warm rows became one frame's: the top of the table goes back
+        demoted = 0
+        if tiers.returned_go_to_disk(self.pressure):
+            demoted += tiers.demote_returned()
+        demoted += tiers.reclaim()
+        compacted = tiers.compact_if_fragmented()
+        tiers.punch_freed()
         with self.lock:
             self.objects.frames.drop_idle(FRAME_CACHE_IDLE)
             self.outside_drop_idle(FRAME_CACHE_IDLE)
         # one scan per round, and only while someone reads the cached stats (a scraper)
         self.snapshots.refresh_if_read(_SNAPSHOT_READERS_WITHIN, SNAPSHOT_REFRESH_EVERY)
-        return result
+        # the control socket's `reclaim` answer: frames keep the interface's name, "units"
+        return {"demoted": demoted, "compacted": compacted, "units_rewritten": rewritten,
+                "recompressed": recompressed, "kernel_freed": forgotten}
 
     def meta_bytes(self) -> int:
         """Everything held in memory besides pool arenas (accounting.meta_parts)."""
-        return sum(accounting.meta_parts(self).values())
+        return sum(accounting.meta_parts(self.parts).values())
 
     def stored_mem(self) -> int:
-        return accounting.stored_mem(self, self.meta_bytes())
+        return accounting.stored_mem(self.parts, self.meta_bytes(), self.outside)
 
     def stats(self) -> dict:
         """Exact stats: the books copied under the store lock, counted after it."""
-        return accounting.stats(self, self.lock)
+        return accounting.stats(self.parts, recompressor=self.recompressor,
+                                reclaim_bytes=self.reclaim_bytes, outside=self.outside)
 
     def cached_stats(self, max_age: float = 0.0) -> tuple[dict, float]:
         """Stats at most `max_age` seconds old, and their age (accounting.StatsCache)."""
@@ -735,12 +774,12 @@ class PageStore:
 
     def slot_sizes(self, slots) -> dict:
         with self.lock:
-            return accounting.slot_sizes(self, slots)
+            return accounting.slot_sizes(self.parts, slots)
 
     def check(self) -> None:
         """Cross-check every invariant of the books; raises AssertionError. For tests."""
         with self.lock:
-            accounting.check(self)
+            accounting.check(self.parts)
 
     def close(self) -> None:
         with self.lock:

@@ -247,6 +247,11 @@ class Pool:
     def arena_count(self) -> int:
         return self._state[ARENAS]
 
+    def fragmentation(self) -> float:
+        """The share of arena bytes that holds no live cell (0 with no arena)."""
+        allocated = self.allocated_bytes
+        return 1 - self.live_bytes / allocated if allocated else 0.0
+
     def _add(self, item: int, delta: int) -> None:
         self._state[item] += delta
 

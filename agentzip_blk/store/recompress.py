@@ -34,7 +34,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -45,37 +45,7 @@ from .integrity import Corrupt
 from .slots import BLOB
 
 if TYPE_CHECKING:
-    from typing import ContextManager
-
-    from ..codec.codecs import Codec
-    from ..codec.dictionaries import StoreDictionaries
-    from .blobs import BlobTable
-    from .objects import Counters, Objects
-    from .placement import Placer
-    from .pool import Pool
-    from .slots import SlotTable
-
-
-class RecompressedStore(Protocol):
-    """What the recompressor uses of the store (store.PageStore is one). A protocol, so
-    that this module does not import pagestore, which imports it."""
-
-    page_size: int
-    frame_pages: int
-    slots: SlotTable
-    blobs: BlobTable
-    pool: Pool
-    objects: Objects
-    placer: Placer
-    frame_codec: Codec | None
-    warm_codec: Codec | None
-    dicts: StoreDictionaries
-    counters: Counters
-    lock: ContextManager
-    cold_ticks: int
-
-    def now(self) -> int: ...
-    def requests_in_flight(self) -> int: ...
+    from .parts import StoreParts
 
 
 CHUNK_PAGES = 256  # warm blobs per pass: ~15-25 ms of zstd, one short lock hold each side
@@ -99,11 +69,15 @@ class _Picked:
 
 
 class Recompressor:
-    def __init__(self, store: RecompressedStore, cpu_budget: float,
+    def __init__(self, parts: StoreParts, cpu_budget: float, *,
+                 in_flight: Callable[[], int],
                  cpu_clock: Callable[[], float] = time.thread_time,
                  wall_clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep) -> None:
-        self.store = store
+        """`in_flight`: the store's requests in flight (PageStore.requests_in_flight), which
+        a pass waits out (`_give_way`)."""
+        self.parts = parts
+        self._in_flight = in_flight
         self.cpu_budget = cpu_budget
         self._cpu_clock, self._wall, self._sleep = cpu_clock, wall_clock, sleep
         self._next_pass = 0.0  # wall time before which the budget says rest
@@ -132,12 +106,12 @@ class Recompressor:
 
     @property
     def enabled(self) -> bool:
-        return self.store.warm_codec is not None and self.cpu_budget > 0
+        return self.parts.warm_codec is not None and self.cpu_budget > 0
 
     def backlog(self) -> int:
         """Warm pages (slot references) to pack now: older than the grace period, or
         returned. Under the store lock."""
-        blobs = self.store.blobs
+        blobs = self.parts.blobs
         due = self._warm_mask(False)
         return int(blobs.ref[: len(due)][due].astype(np.int64).sum())
 
@@ -168,7 +142,7 @@ class Recompressor:
 
     def _give_way(self) -> None:
         waited = 0.0
-        while self.store.requests_in_flight() and waited < YIELD_MAX:
+        while self._in_flight() and waited < YIELD_MAX:
             self._sleep(YIELD_SLICE)
             waited += YIELD_SLICE
 
@@ -180,9 +154,9 @@ class Recompressor:
             done, raced, _kept, _bad, _room = self.native_pack(*alone)
             self.raced += raced
             switched += done
-            with self.store.lock:
+            with self.parts.lock:
                 self.pages_total += done
-                self.store.counters.recompressed_pages += done
+                self.parts.counters.recompressed_pages += done
         if picked:
             switched += self._pack(picked)
         return switched
@@ -190,13 +164,13 @@ class Recompressor:
     def _pack(self, picked: list[_Picked]) -> int:
         """Steps 2 and 3 for blobs picked with their bytes."""
         pages, groups, bad = self._decode(picked)
-        store = self.store
+        parts = self.parts
         frames = self._compress(pages, groups)
-        hashes = store.placer.hashes(pages)
-        with store.lock:
+        hashes = parts.placer.hashes(pages)
+        with parts.lock:
             for p in bad:  # unreadable: leave it to the reads (EIO), stop picking it
                 if self._unchanged(p):
-                    store.blobs.form[p.blob] = DENSE
+                    parts.blobs.form[p.blob] = DENSE
             switched = 0
             made: set[int] = set()  # the blobs this pass stores
             for group in groups:
@@ -207,14 +181,14 @@ class Recompressor:
                     break  # no room: the pages stay warm
             # The new blobs may have taken rows at the top of the table (before the warm rows
             # were free): moved down into those, the top empties and goes back (release_tail).
-            moved = store.objects.renumber(sorted(made))
+            moved = parts.objects.renumber(sorted(made))
             if moved:
                 for p in picked:
                     for slot in p.slots:
-                        old = int(store.slots.handle[slot])
-                        store.slots.handle[slot] = moved.get(old, old)
+                        old = int(parts.slots.handle[slot])
+                        parts.slots.handle[slot] = moved.get(old, old)
             self.pages_total += switched
-            store.counters.recompressed_pages += switched
+            parts.counters.recompressed_pages += switched
             return switched
 
     def _pick(self, pressure: bool
@@ -224,8 +198,8 @@ class Recompressor:
         bytes copied. The slot table is scanned once per queue (in slot order), not once per
         pass: a scan costs ~10-20 µs per page held, as much as the packing itself
         (BENCHMARKS.md, "Two speeds")."""
-        store, blobs = self.store, self.store.blobs
-        with store.lock:
+        parts, blobs = self.parts, self.parts.blobs
+        with parts.lock:
             if pressure != self._queue_pressure:
                 self._q_pos = len(self._q_blob)
             if self._q_pos >= len(self._q_blob):
@@ -244,7 +218,7 @@ class Recompressor:
             if alone.any():
                 native = (ids[alone].astype(np.uint32), gens[alone].astype(np.uint32),
                           first[alone].astype(np.uint64))
-            pool = store.pool
+            pool = parts.pool
             picked = []
             for blob, slot, n in zip(ids[~alone].tolist(), first[~alone].tolist(),
                                      count[~alone].tolist()):
@@ -260,7 +234,7 @@ class Recompressor:
             return native, picked
 
     def _warm_mask(self, pressure: bool) -> np.ndarray:
-        store, blobs = self.store, self.store.blobs
+        parts, blobs = self.parts, self.parts.blobs
         n = blobs.capacity
         warm = (blobs.ref[:n] > 0) & (blobs.form[:n] == WARM) & (blobs.tier[:n] == POOL)
         if not pressure:
@@ -268,25 +242,25 @@ class Recompressor:
             # tick is set by reads only). A returned page is in RAM again; its copy is needed
             # only if the kernel evicts the page clean (docs/ARCHITECTURE.md, "What the kernel
             # tells the device"), so it is kept dense at once.
-            warm &= ((store.now() - blobs.atime[:n].astype(np.int64) >= store.cold_ticks)
+            warm &= ((parts.now() - blobs.atime[:n].astype(np.int64) >= parts.cold_ticks)
                      | (blobs.rtime[:n] > 0))
         return warm
 
     def _candidates(self, ids: np.ndarray, gens: np.ndarray, pressure: bool) -> np.ndarray:
         """Which queued blobs are still ones to pack (they may have gone or been read)."""
-        blobs, store = self.store.blobs, self.store
+        blobs, parts = self.parts.blobs, self.parts
         ok = ((blobs.ref[ids] > 0) & (blobs.form[ids] == WARM) & (blobs.tier[ids] == POOL)
               & (blobs.gen[ids] == gens))
         if not pressure:
             ok &= ((blobs.rtime[ids] > 0)
-                   | (store.now() - blobs.atime[ids].astype(np.int64) >= store.cold_ticks))
+                   | (parts.now() - blobs.atime[ids].astype(np.int64) >= parts.cold_ticks))
         return ok
 
     def _scan(self, pressure: bool) -> None:
         """The queue: every candidate blob in the order of the slots that hold them (under
         pool pressure the oldest QUEUE_PAGES first), with its generation, first slot and
         slot count (and, for the few held by several slots, those slots)."""
-        blobs, slots = self.store.blobs, self.store.slots
+        blobs, slots = self.parts.blobs, self.parts.slots
         self._queue_pressure = pressure
         self._slots_of.clear()
         self._q_pos = 0
@@ -320,30 +294,30 @@ class Recompressor:
     def _decode(self, picked: list[_Picked]) -> tuple[list[bytes], list[list[int]], list[_Picked]]:
         """The pages, the groups of positions to pack together (runs of frame_pages in slot
         order), and the blobs whose bytes did not verify or decode."""
-        store = self.store
+        parts = self.parts
         pages: list[bytes] = []
         good: list[int] = []
         bad: list[_Picked] = []
         for n, p in enumerate(picked):
             try:
-                pages.append(store.objects.decode_checked(p.blob, p.codec, 0, p.stored,
-                                                          store.page_size, p.csum))
+                pages.append(parts.objects.decode_checked(p.blob, p.codec, 0, p.stored,
+                                                          parts.page_size, p.csum))
                 good.append(n)
             except (Corrupt, CodecError):
                 pages.append(b"")
                 bad.append(p)
-        step = store.frame_pages
+        step = parts.frame_pages
         groups = [good[i : i + step] for i in range(0, len(good), step)]
         return pages, groups, bad
 
     def _compress(self, pages: list[bytes], groups: list[list[int]]) -> dict:
         """The frames, compressed here, outside the lock (keyed as placement expects)."""
-        store = self.store
+        parts = self.parts
         multi = [g for g in groups if len(g) > 1]
-        if not multi or store.frame_codec is None:
+        if not multi or parts.frame_codec is None:
             return {}
         joined = [b"".join(pages[n] for n in g) for g in multi]
-        choice = store.dicts.choose_frames(joined)
+        choice = parts.dicts.choose_frames(joined)
         frames = {}
         for k, group in enumerate(multi):
             out = choice.sample_out if k == choice.sample else choice.codec.compress(joined[k])
@@ -353,7 +327,7 @@ class Recompressor:
     def _unchanged(self, p: _Picked) -> bool:
         """Whether `p`'s blob is as step 1 saw it: the same row generation, still warm in the
         pool, and held by exactly the slots seen then (no new sharer, none rewritten)."""
-        blobs, slots = self.store.blobs, self.store.slots
+        blobs, slots = self.parts.blobs, self.parts.slots
         if blobs.ref[p.blob] == 0 or int(blobs.gen[p.blob]) != p.gen:
             return False
         if blobs.form[p.blob] != WARM or blobs.tier[p.blob] != POOL:
@@ -368,13 +342,13 @@ class Recompressor:
         if not all(self._unchanged(p) for p in group):
             self.raced += 1
             return 0
-        store, objects, slots = self.store, self.store.objects, self.store.slots
+        parts, objects, slots = self.parts, self.parts.objects, self.parts.slots
         views = [memoryview(page) for page in pages]
         placed: list[tuple[int, int]] = [(0, 0)] * len(pages)
         staged: list[int] = []
         atime = max(p.atime for p in group)  # the pages keep their age and last read
         try:
-            store.placer.store_group(positions, views, hashes, atime, None, placed, staged,
+            parts.placer.store_group(positions, views, hashes, atime, None, placed, staged,
                                      frames)
         except BaseException:
             for blob in staged:

@@ -11,7 +11,9 @@ pressure, whatever the pool's size: only a clean eviction by the kernel reads it
 
 The store wakes the maintainer when a write leaves the pool above its reclaim threshold;
 otherwise it looks every `interval` seconds. Each round works in chunks that take the store
-lock briefly, so requests interleave with it.
+lock briefly, so requests interleave with it. The round's steps are Tiers methods (and the
+recompressor's); their order is the store's (PageStore.maintain), which the maintainer runs.
+Tiers gets the store's parts (parts.StoreParts), never the store.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -31,44 +33,7 @@ from .pool import PoolFull
 from .slots import BLOB
 
 if TYPE_CHECKING:
-    from typing import ContextManager
-
-    from ..codec.codecs import Codec
-    from .dedup import DedupIndex
-    from .disk import DiskTier
-    from .doorbell import Doorbell
-    from .objects import Counters, Objects
-    from .placement import Placer
-    from .pool import Pool
-    from .recompress import Recompressor
-    from .slots import SlotTable
-
-
-class TieredStore(Protocol):
-    """What tiering and the maintainer use of the store (store.PageStore is one). A
-    protocol, so that this module does not import pagestore, which imports it."""
-
-    page_size: int
-    frame_pages: int
-    tiering: Tiering
-    slots: SlotTable
-    index: DedupIndex
-    pool: Pool
-    disk: DiskTier | None
-    objects: Objects
-    placer: Placer
-    frame_codec: Codec | None
-    counters: Counters
-    recompressor: Recompressor
-    lock: ContextManager
-    doorbell: Doorbell
-    cold_ticks: int
-    warm_ticks: int
-    pressure: Callable[[], bool]
-
-    def now(self) -> int: ...
-    def wake(self) -> None: ...
-    def maintain(self) -> dict: ...
+    from .parts import StoreParts
 
 
 HYSTERESIS_PERCENT = 5  # demotion stops this many points below reclaim_threshold
@@ -144,16 +109,18 @@ class Tiering:
 
 
 class Tiers:
-    """The moves between tiers of one store; methods other than `promote` take its lock."""
+    """The moves between tiers of one store, and the steps of a maintenance round that are
+    not the recompressor's. Those that touch the books take the store lock, but `promote`
+    (its caller holds it)."""
 
-    def __init__(self, store: TieredStore) -> None:
-        self.store = store
-        self.objects = store.objects
-        self.pool = store.pool
-        self.disk = store.disk
-        self.counters = store.counters
-        tiering = store.tiering
+    def __init__(self, parts: StoreParts, tiering: Tiering) -> None:
+        self.parts = parts
+        self.objects = parts.objects
+        self.pool = parts.pool
+        self.disk = parts.disk
+        self.counters = parts.counters
         self.defrag = tiering.defrag
+        self.returned_to_disk = tiering.returned_to_disk
         self.reclaim_bytes = tiering.max_size * tiering.reclaim_threshold // 100
         self._demoting = threading.Lock()
         self._compacting = threading.Lock()  # the maintainer's and `defrag`'s, one at a time
@@ -203,21 +170,21 @@ class Tiers:
         # One scan of the slot table for the round, then chunks: a chunk keeps only the
         # blobs whose references are still the returned slots counted then (a write since
         # took or added one) and still unread for warm_threshold_ms.
-        with self.store.lock:
-            candidates, back = self._returned(self.store.now())
+        with self.parts.lock:
+            candidates, back = self._returned(self.parts.now())
         moved = 0
         for start in range(0, min(len(candidates), limit * RETURNED_ROUNDS), limit):
             ids, refs = candidates[start : start + limit], back[start : start + limit]
 
             def still(now: int, ids: np.ndarray = ids, refs: np.ndarray = refs) -> np.ndarray:
                 return ids[(blobs.ref[ids] == refs) & (blobs.tier[ids] == POOL)
-                           & (now - blobs.rtime[ids].astype(np.int64) >= self.store.warm_ticks)]
+                           & (now - blobs.rtime[ids].astype(np.int64) >= self.parts.warm_ticks)]
 
             done = self._demote(still, limit)
             moved += done
             if not done:  # the disk is full or failing: the next round tries again
                 break
-        with self.store.lock:
+        with self.parts.lock:
             self.counters.returned_demotions += moved
         return moved
 
@@ -228,7 +195,7 @@ class Tiers:
         candidates = np.flatnonzero(
             (blobs.ref[:n] > 0)
             & (blobs.tier[:n] == POOL)
-            & (now - blobs.atime[:n].astype(np.int64) >= self.store.cold_ticks)
+            & (now - blobs.atime[:n].astype(np.int64) >= self.parts.cold_ticks)
         )
         return candidates[np.argsort(blobs.atime[candidates], kind="stable")]
 
@@ -237,7 +204,7 @@ class Tiers:
         the last read warm_threshold_ms ago or more, least recently read first (under the
         lock), and their reference counts. A blob with one slot not read back (its page is
         out, a fault will come) stays."""
-        blobs, slots = self.objects.blobs, self.store.slots
+        blobs, slots = self.objects.blobs, self.parts.slots
         n = blobs.capacity
         held = slots.blob_slots()
         owners = slots.handle[held].astype(np.int64)
@@ -248,7 +215,7 @@ class Tiers:
             & (back == blobs.ref[:n])
             & (blobs.tier[:n] == POOL)
             & (last_read > 0)
-            & (now - last_read >= self.store.warm_ticks)
+            & (now - last_read >= self.parts.warm_ticks)
         )
         candidates = candidates[np.argsort(last_read[candidates], kind="stable")]
         return candidates, back[candidates]
@@ -263,11 +230,11 @@ class Tiers:
             return self._demote_picked(pick, limit)
 
     def _demote_picked(self, pick: Callable[[int], np.ndarray], limit: int) -> int:
-        store, objects, disk = self.store, self.objects, self.disk
+        parts, objects, disk = self.parts, self.objects, self.disk
         blobs = objects.blobs
         batch: list[tuple[int, int, int, bytes]] = []  # blob, generation, extent, bytes
-        with store.lock:
-            for blob in pick(store.now())[:limit].tolist():
+        with parts.lock:
+            for blob in pick(parts.now())[:limit].tolist():
                 length = int(blobs.length[blob])
                 try:
                     offset = disk.alloc(length)
@@ -284,13 +251,13 @@ class Tiers:
                 disk.put(offset, data, blob, gen, batch=True)
             disk.sync_written()
         except DiskError:
-            with store.lock:
+            with parts.lock:
                 for _blob, _gen, offset, data in batch:
                     disk.free(offset, len(data))
                 self.counters.disk_errors += 1
             return 0
         moved = 0
-        with store.lock:
+        with parts.lock:
             disk.writes += len(batch)
             for blob, gen, offset, data in batch:
                 if blobs.ref[blob] > 0 and int(blobs.gen[blob]) == gen and blobs.tier[blob] == POOL:
@@ -307,12 +274,12 @@ class Tiers:
         then let them be reused; returns extents punched."""
         if self.disk is None:
             return 0
-        with self.store.lock:
+        with self.parts.lock:
             pending = self.disk.take_pending()
         if not pending:
             return 0
         self.disk.punch(pending)
-        with self.store.lock:
+        with self.parts.lock:
             self.disk.reuse(pending)
         return len(pending)
 
@@ -326,15 +293,15 @@ class Tiers:
         the frames are picked and their stored bytes copied under it, decoded and compressed
         again without it, and switched under it again only if each is still as picked (the
         same generation, held by exactly the slots seen, each still naming the same page)."""
-        store = self.store
-        if store.frame_pages == 1:
+        parts = self.parts
+        if parts.frame_pages == 1:
             return 0
         picked = self._pick_sparse(limit)
         if not picked:
             return 0
         rebuilt = [self._rebuild_sparse(p) for p in picked]
         done = 0
-        with store.lock:
+        with parts.lock:
             for p, new in zip(picked, rebuilt):
                 if new is None or not self._sparse_unchanged(p):
                     continue
@@ -347,8 +314,8 @@ class Tiers:
 
     def _pick_sparse(self, limit: int) -> list[_Sparse]:
         """Under the lock: up to `limit` sparse pool frames, with their slots and bytes."""
-        store, slots, blobs = self.store, self.store.slots, self.objects.blobs
-        with store.lock:
+        parts, slots, blobs = self.parts, self.parts.slots, self.objects.blobs
+        with parts.lock:
             n = blobs.capacity
             ref = blobs.ref[:n].astype(np.int64)
             sparse = np.flatnonzero((ref > 0) & (blobs.pages[:n] > 1) & (blobs.tier[:n] == POOL)
@@ -372,8 +339,8 @@ class Tiers:
     def _rebuild_sparse(self, p: _Sparse):
         """Without the lock: the frame's live pages, their hashes and their new frame (None
         when the frame does not read back: the reads will say so)."""
-        store = self.store
-        page = store.page_size
+        parts = self.parts
+        page = parts.page_size
         try:
             data = memoryview(self.objects.decode_checked(
                 p.blob, p.codec, p.dict_id, p.stored, p.pages * page, p.csum))
@@ -382,12 +349,12 @@ class Tiers:
         subs = sorted(set(p.subs))
         pages = [data[sub * page : (sub + 1) * page] for sub in subs]
         frames = {}
-        if len(pages) > 1 and store.frame_codec is not None:
-            frames[tuple(range(len(pages)))] = (store.frame_codec.compress(b"".join(pages)), 0)
-        return subs, pages, store.placer.hashes(pages), frames
+        if len(pages) > 1 and parts.frame_codec is not None:
+            frames[tuple(range(len(pages)))] = (parts.frame_codec.compress(b"".join(pages)), 0)
+        return subs, pages, parts.placer.hashes(pages), frames
 
     def _sparse_unchanged(self, p: _Sparse) -> bool:
-        slots, blobs = self.store.slots, self.objects.blobs
+        slots, blobs = self.parts.slots, self.objects.blobs
         if blobs.ref[p.blob] != len(p.slots) or int(blobs.gen[p.blob]) != p.gen:
             return False
         return all(slots.kind[s] == BLOB and int(slots.handle[s]) == p.blob
@@ -397,11 +364,11 @@ class Tiers:
                        frames: dict) -> int:
         """Under the lock: the frame's live pages stored anew (Placer.store_group, with the
         frame compressed already), its slots switched to them, the old frame released."""
-        store, objects, slots = self.store, self.objects, self.store.slots
+        parts, objects, slots = self.parts, self.objects, self.parts.slots
         placed: list[tuple[int, int]] = [(0, 0)] * len(pages)
         staged: list[int] = []
         try:  # the pages keep their age
-            store.placer.store_group(list(range(len(pages))), pages, hashes, p.atime, None,
+            parts.placer.store_group(list(range(len(pages))), pages, hashes, p.atime, None,
                                      placed, staged, frames)
         except BaseException:
             for new in staged:
@@ -420,13 +387,9 @@ class Tiers:
             objects.release(p.blob)
         return 1
 
-    def fragmentation(self) -> float:
-        allocated = self.pool.allocated_bytes
-        return 1 - self.pool.live_bytes / allocated if allocated else 0.0
-
     def needs_compaction(self) -> bool:
         wasted = self.pool.allocated_bytes - self.pool.live_bytes
-        return wasted >= MIN_COMPACT_BYTES and self.fragmentation() >= FRAGMENTATION_TRIGGER
+        return wasted >= MIN_COMPACT_BYTES and self.pool.fragmentation() >= FRAGMENTATION_TRIGGER
 
     def compact(self) -> int:
         """Move live cells out of the sparsest arenas of each class; returns cells moved."""
@@ -434,7 +397,7 @@ class Tiers:
         with self._compacting:
             for cls in self.pool.classes:
                 moved += self._compact_class(cls.index)
-            with self.store.lock:
+            with self.parts.lock:
                 self.counters.compactions += 1
         return moved
 
@@ -444,7 +407,7 @@ class Tiers:
         only those still live in a source arena (nothing new lands in one: they take no
         allocations). Requests also take free cells, so a move may find no room left; the
         rest then stays where it is."""
-        lock = self.store.lock
+        lock = self.parts.lock
         blobs, pool = self.objects.blobs, self.pool
         with lock:
             sources = pool.evacuation_plan(class_index)
@@ -494,25 +457,25 @@ class Tiers:
     def resize_index(self) -> bool:
         """Give the dedup index the capacity it wants (dedup.DedupIndex.wanted): the new
         table is allocated and written without the store lock, then filled under it."""
-        store = self.store
-        with store.lock:
-            capacity = store.index.wanted()
+        parts = self.parts
+        with parts.lock:
+            capacity = parts.index.wanted()
         if capacity is None:
             return False
-        arrays = store.index.prepare(capacity)
-        with store.lock:
-            return store.index.adopt(*arrays)
+        arrays = parts.index.prepare(capacity)
+        with parts.lock:
+            return parts.index.adopt(*arrays)
 
     def grow_blob_table(self) -> bool:
         """Grow the blob table ahead of need, the same way (blobs.BlobTable.wanted), so that
         a write request seldom has to."""
-        store, blobs = self.store, self.objects.blobs
-        with store.lock:
+        parts, blobs = self.parts, self.objects.blobs
+        with parts.lock:
             capacity, rows = blobs.wanted(), blobs.rows
         if capacity is None:
             return False
         arrays = blobs.prepare(capacity, rows)
-        with store.lock:
+        with parts.lock:
             return blobs.adopt(arrays)
 
     def compact_rows(self) -> int:
@@ -521,10 +484,10 @@ class Tiers:
         of the store lock, then the free top is released (BlobTable.release_tail). Warm
         pages take a row each and their frames one per 16, wherever the free rows were, so
         without this the table keeps the rows of a burst long after it was packed."""
-        store, blobs, slots = self.store, self.objects.blobs, self.store.slots
+        parts, blobs, slots = self.parts, self.objects.blobs, self.parts.slots
         moved_total = 0
         for _ in range(ROW_ROUNDS):
-            with store.lock:
+            with parts.lock:
                 rows, live = blobs.rows, blobs.count
                 if rows < TAIL_RELEASE_ROWS or rows <= ROW_SLACK * live:
                     break
@@ -544,48 +507,49 @@ class Tiers:
                 order = np.argsort(old)
                 slots.handle[held[hit]] = new[order][np.searchsorted(old[order], handles[hit])]
                 moved_total += len(moved)
-        with store.lock:
+        with parts.lock:
             blobs.release_tail()
         return moved_total
 
     def grow_arena_books(self) -> bool:
         """The pool's per-arena arrays, ahead of need (pool.Pool.wanted): the native request
         path maps arenas itself, but cannot grow the arrays that name them."""
-        with self.store.lock:
+        with self.parts.lock:
             capacity = self.pool.wanted()
             if capacity is None:
                 return False
             self.pool.grow(capacity)
             return True
 
-    def _returned_go_to_disk(self) -> bool:
-        mode = self.store.tiering.returned_to_disk
+    def returned_go_to_disk(self, pressure: Callable[[], bool]) -> bool:
+        """Whether returned copies move to disk this round (policy.returned_to_disk);
+        `pressure` (the host is short of memory) is asked only in mode "pressure"."""
+        mode = self.returned_to_disk
         if self.disk is None or mode == "never":
             return False
-        return mode == "always" or self.store.pressure()
+        return mode == "always" or pressure()
 
-    def maintain(self) -> dict:
-        """One round of background work: size the dedup index ahead of need, drop the dead
-        pages of sparse frames, pack warm pages, move returned copies to disk under host
-        memory pressure, demote while above the threshold, then compact."""
-        self.resize_index()
-        self.grow_blob_table()
-        self.grow_arena_books()
+    def reclaiming(self) -> bool:
+        """Whether the pool is at or above its reclaim threshold."""
+        return self.pool.allocated_bytes >= self.reclaim_bytes
+
+    def rewrite_sparse_rounds(self) -> int:
+        """Up to REWRITE_ROUNDS chunks of sparse frames rewritten, while chunks come full;
+        returns frames rewritten."""
         rewritten = 0
         for _ in range(REWRITE_ROUNDS):
             done = self.rewrite_sparse_frames()
             rewritten += done
             if done < REWRITE_CHUNK:
                 break
-        # Warm pages are packed before anything is demoted: under pool pressure the oldest
-        # first, whatever their age (a dense frame is what should go to disk, if anything).
-        reclaiming = self.pool.allocated_bytes >= self.reclaim_bytes
-        recompressed = self.store.recompressor.run(pressure=reclaiming)
-        self.compact_rows()  # 16 warm rows became one frame's: the top of the table goes back
+        return rewritten
+
+    def reclaim(self) -> int:
+        """Demote the coldest blobs while the pool is above its reclaim threshold, down to
+        the demotion target (or until nothing moves: the disk is full or failing); returns
+        blobs moved."""
         demoted = 0
-        if self._returned_go_to_disk():
-            demoted += self.demote_returned()
-        reclaiming = self.pool.allocated_bytes >= self.reclaim_bytes
+        reclaiming = self.reclaiming()
         while reclaiming and self.pool.allocated_bytes > self.reclaim_target:
             moved = self.demote_cold()
             if not moved:
@@ -594,18 +558,23 @@ class Tiers:
             # Demotion frees cells all over the pool; arenas only go back once compacted.
             if self.defrag and self.pool.allocated_bytes > self.reclaim_target:
                 self.compact()
-        compacted = 0
+        return demoted
+
+    def compact_if_fragmented(self) -> int:
+        """Compact the pool when `pool.defrag` is on and it needs it; returns cells moved."""
         if self.defrag and self.needs_compaction():
-            compacted = self.compact()
-        self.punch_freed()
-        # the control socket's `reclaim` answer: frames keep the interface's name, "units"
-        return {"demoted": demoted, "compacted": compacted, "units_rewritten": rewritten,
-                "recompressed": recompressed}
+            return self.compact()
+        return 0
 
 
 class Maintainer:
-    def __init__(self, store: TieredStore, interval: float = 1.0, log=None) -> None:
-        self.store = store
+    """The thread that runs a store's maintenance rounds (`maintain`, PageStore.maintain)
+    when its doorbell rings, else every `interval` seconds."""
+
+    def __init__(self, parts: StoreParts, maintain: Callable[[], dict],
+                 interval: float = 1.0, log=None) -> None:
+        self.parts = parts
+        self.maintain = maintain
         self.interval = interval
         self.log = log or (lambda msg: None)
         self.rounds = 0
@@ -614,25 +583,26 @@ class Maintainer:
         self._thread = threading.Thread(target=self._run, name="agentzip-maintain", daemon=True)
 
     def start(self) -> None:
-        with self.store.lock:
-            self.store.index.hand_growth_to(self.store.wake)  # off the write path from now on
+        parts = self.parts
+        with parts.lock:  # index growth off the write path from now on
+            parts.index.hand_growth_to(parts.doorbell.ring)
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
-        self.store.wake()
+        self.parts.doorbell.ring()
         self._thread.join(timeout=10)
-        with self.store.lock:
-            self.store.index.hand_growth_to(None)
+        with self.parts.lock:
+            self.parts.index.hand_growth_to(None)
 
     def _run(self) -> None:
         wait = self.interval
         while not self._stop.is_set():
-            self.store.doorbell.wait(wait)
+            self.parts.doorbell.wait(wait)
             if self._stop.is_set():
                 return
             try:
-                result = self.store.maintain()
+                result = self.maintain()
             except Exception as exc:  # keep serving; the error shows in stats
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 self.log(f"agentzip: maintenance failed: {self.last_error}")

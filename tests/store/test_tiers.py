@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import threading
 
 import numpy as np
 import pytest
@@ -390,7 +391,10 @@ def test_compaction_moves_in_chunks_and_lets_requests_in_between(tmp_path, monke
     from agentzip_blk.store import tiering
 
     monkeypatch.setattr(tiering, "COMPACT_CHUNK", 64)
-    store = make_store(tmp_path, Clock(), max_size=64 << 20, size=64 << 20, defrag=False)
+    # the hooked lock from the start: the store's parts hold the lock it was built with
+    hooked = _HookedLock(threading.Lock())
+    store = make_store(tmp_path, Clock(), max_size=64 << 20, size=64 << 20, defrag=False,
+                       lock=hooked)
     rnd = random.Random(5)
     model: dict[int, bytes] = {}
     for slot in range(8192):
@@ -404,8 +408,6 @@ def test_compaction_moves_in_chunks_and_lets_requests_in_between(tmp_path, monke
     real = store.tiers._move_cells
     monkeypatch.setattr(store.tiers, "_move_cells", lambda movers: holds.append(len(movers))
                         or real(movers))
-    hooked = _HookedLock(store.lock)
-    store.lock = hooked
     writes = 0
 
     def meanwhile() -> None:  # one write and one trim between two holds of the lock
