@@ -116,7 +116,7 @@ def one(setting: str, earlier: list[bytes], held: list[bytes], request: int, fra
     lat = []
     for _ in range(reads):
         slot = len(earlier) + rnd.randrange(len(held))
-        store.frames = HotCache(0)
+        objects.frames = HotCache(0)
         store.hot = objects.hot = HotCache(0)
         t0 = time.perf_counter_ns()
         got = store.read(slot * PAGE, PAGE)
