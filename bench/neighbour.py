@@ -92,10 +92,10 @@ def timed_reads(path: str, offs: list[int]) -> dict:
             "max_us": round(float(a.max()), 1), "reads": len(times)}
 
 
-# label: (device.datapath, compression.warm_algorithm, device.request_nice)
-CONFIGS = {"python / frames": ("python", "none", 0),
-           "native / frames (the default)": ("native", "none", 0),
-           "native / warm": ("native", "lz4", 0)}
+# label: (device.datapath, compression.warm_algorithm)
+CONFIGS = {"python / frames": ("python", "none"),
+           "native / frames (the default)": ("native", "none"),
+           "native / warm": ("native", "lz4")}
 
 
 def measure(device: str, data: bytes, offs: list[int]) -> dict:
@@ -118,7 +118,7 @@ def measure(device: str, data: bytes, offs: list[int]) -> dict:
     return {"alone": alone, "with a writer": noisy}
 
 
-def run(tmp: str, configs: dict[str, tuple[str, str, int]]) -> dict:
+def run(tmp: str) -> dict:
     data = agent_pages(DATA)
     rnd = random.Random(2)
     offs = [rnd.randrange(DATA // PAGE) * PAGE for _ in range(READS)]
@@ -126,13 +126,12 @@ def run(tmp: str, configs: dict[str, tuple[str, str, int]]) -> dict:
     if zram.available():  # the reference: the kernel's device, same reads, same writer
         with zram.raw_device("lz4", 1 << 30) as device:
             rows["zram lz4"] = measure(device, data, offs)
-    for n, (label, (datapath, warm, nice)) in enumerate(configs.items()):
+    for n, (label, (datapath, warm)) in enumerate(CONFIGS.items()):
         cfg = Config()
         cfg.pool.swap_out_path = f"{tmp}/tier-{n}"
         cfg.compression.dictionary = "none"
         cfg.compression.warm_algorithm = warm
         cfg.device.datapath = datapath
-        cfg.device.request_nice = nice
         with attach.attached(cfg, f"{tmp}/run-{n}", size=1 << 30, frontend="fuse") as st:
             subprocess.run(["swapoff", st.loop_device], check=True)
             try:
@@ -156,19 +155,11 @@ def render(rows: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default=None, help="write the rows here")
-    ap.add_argument("--request-nice", type=int, default=None, metavar="N",
-                    help="add the native rows again with device.request_nice N")
     args = ap.parse_args()
-    configs = dict(CONFIGS)
-    if args.request_nice is not None:
-        for label, (datapath, warm, _) in CONFIGS.items():
-            if datapath == "native":
-                configs[f"{label}, request_nice {args.request_nice}"] = (datapath, warm,
-                                                                         args.request_nice)
     if os.geteuid() != 0:
         sys.exit("bench_neighbour: run as root (loop device, FUSE)")
     tmp = tempfile.mkdtemp(prefix="azneigh-")
-    rows = run(tmp, configs)
+    rows = run(tmp)
     print(render(rows))
     if args.json:
         Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -126,8 +126,7 @@ class DeviceConfig:
     # nbdkit's). zram does its work in the faulting task, at that task's priority; ours is
     # done by a thread that competes with every sandbox for the CPU, a fault's answer
     # waiting behind their slices (BENCHMARKS.md, "Request threads before the sandboxes").
-    # Below 0 they go first; the maintainer, and the native path's WRITEs (reclaim's work),
-    # stay at the server's own.
+    # Below 0 they go first; the maintainer stays at the server's own.
     request_nice: int = 0
     # A group whose members may use the read-only control verbs on control.sock
     # (datapath.server.READ_ONLY_VERBS), e.g. a metrics exporter that is not root.

@@ -116,12 +116,6 @@ class NativePath:
             return self._path.serve(fd, rbuf, wbuf)
         return self._path.serve(fd, rbuf, wbuf, epfd, stop)
 
-    def set_nice(self, read_nice: int, write_nice: int) -> None:
-        """Serve WRITEs at `write_nice` and everything else at `read_nice`, the nice value
-        the request threads run at (device.request_nice): a fault's READ goes before the
-        sandboxes' work, reclaim's WRITE does not."""
-        self._path.set_nice(read_nice, write_nice)
-
     def pack(self, blobs, gens, slots) -> tuple[int, int, int, int, bool]:
         """The recompressor's pass over warm blobs held by one slot each (store.recompress):
         (switched, raced, kept, bad, room). Takes the store lock itself."""

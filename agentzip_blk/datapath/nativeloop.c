@@ -33,8 +33,6 @@
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/mman.h>
-#include <sys/resource.h>
-#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -195,9 +193,6 @@ typedef struct {
     ZSTD_CCtx *pack_cctx;
     int pack_level, pack_pages;
     atomic_ullong packed, pack_raced, pack_kept, pack_bad;
-    /* device.request_nice: the request threads wait and read at read_nice, and serve a
-     * WRITE at write_nice (the server's own); equal: no switch */
-    atomic_int read_nice, write_nice;
 } Path;
 
 static double monotonic(void) {
@@ -752,19 +747,8 @@ static PyObject *Path_serve(Path *self, PyObject *args) {
             memcpy(&opcode, r + 4, 4);
         if (opcode == FUSE_READ && serve_read(self, fd, r, n, w, wlen) == SERVED)
             continue;
-        if (opcode == FUSE_WRITE) {
-            /* a fault waits for a READ; a WRITE is reclaim's, which should not go before
-             * the sandboxes' own work (Path_set_nice) */
-            int rn = atomic_load(&self->read_nice), wn = atomic_load(&self->write_nice);
-            pid_t tid = rn != wn ? (pid_t)syscall(SYS_gettid) : 0;
-            if (tid)
-                setpriority(PRIO_PROCESS, (id_t)tid, wn);
-            int served = serve_write(self, fd, r, n, w, wlen) == SERVED;
-            if (tid)
-                setpriority(PRIO_PROCESS, (id_t)tid, rn);
-            if (served)
-                continue;
-        }
+        if (opcode == FUSE_WRITE && serve_write(self, fd, r, n, w, wlen) == SERVED)
+            continue;
         atomic_fetch_add(&self->handed_up, 1);
         result = n;
         break;
@@ -781,23 +765,6 @@ static PyObject *Path_serve(Path *self, PyObject *args) {
  * algorithm zstd at `level`), as Placer.store_group compresses them: magicless frames
  * without content size or dictionary id, with zstd's content checksum, parameters for the
  * frame's size. */
-/* set_nice(read_nice, write_nice): the nice values serve() switches between, per request
- * (the calling threads are at read_nice already: Server.on_request_thread). A thread may
- * always lower its priority; raising it back needs CAP_SYS_NICE, which the thread had to
- * get to read_nice in the first place. */
-static PyObject *Path_set_nice(Path *self, PyObject *args) {
-    int rn, wn;
-    if (!PyArg_ParseTuple(args, "ii", &rn, &wn))
-        return NULL;
-    if (rn < -20 || rn > 19 || wn < -20 || wn > 19) {
-        PyErr_SetString(PyExc_ValueError, "set_nice: nice values are -20..19");
-        return NULL;
-    }
-    atomic_store(&self->read_nice, rn);
-    atomic_store(&self->write_nice, wn);
-    Py_RETURN_NONE;
-}
-
 static PyObject *Path_set_packing(Path *self, PyObject *args) {
     int pages, level;
     if (!PyArg_ParseTuple(args, "ii", &pages, &level))
@@ -950,7 +917,6 @@ static PyMethodDef Path_methods[] = {
      "set_writes(enabled, dedup, seed, hot_ticks, reclaim_bytes, max_blobs, doorbell, dense, frame_pages, level), under the lock"},
     {"serve", (PyCFunction)Path_serve, METH_VARARGS, "serve(fd, rbuf, wbuf[, epfd, stop]) -> int"},
     {"set_packing", (PyCFunction)Path_set_packing, METH_VARARGS, "set_packing(frame_pages, level)"},
-    {"set_nice", (PyCFunction)Path_set_nice, METH_VARARGS, "set_nice(read_nice, write_nice)"},
     {"pack", (PyCFunction)Path_pack, METH_VARARGS,
      "pack(blobs, gens, slots) -> (switched, raced, kept, bad, room); takes the lock itself"},
     {"drop_idle", (PyCFunction)Path_drop_idle, METH_VARARGS, "drop_idle(seconds), under the lock"},

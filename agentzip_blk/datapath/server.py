@@ -196,10 +196,6 @@ class Server:
         threads = self.options.fuse_threads or fuse.DEFAULT_THREADS
         if self.datapath.path == "native":
             self.native = native.NativePath(self.store)
-            if self.config.device.request_nice:
-                # writes (reclaim's) at the server's own priority, reads at request_nice
-                self.native.set_nice(self.config.device.request_nice,
-                                     os.getpriority(os.PRIO_PROCESS, 0))
             self.latency.read.sources.append(self.native.read_latency)
             self.latency.write.sources.append(self.native.write_latency)
         # The door serves from this Server, as the plugin does: the same latency

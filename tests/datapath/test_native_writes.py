@@ -10,7 +10,6 @@ the Python path stores it.
 
 from __future__ import annotations
 
-import os
 import random
 import socket
 import struct
@@ -436,60 +435,5 @@ def test_native_writes_and_reads_interleaved_with_recompression_compaction_demot
         store.check()
     finally:
         doors.close()
-        path.close()
-        store.close()
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="raising a thread's priority needs CAP_SYS_NICE")
-def test_writes_are_served_at_write_nice_and_the_thread_goes_back_to_read_nice():
-    """device.request_nice (NativePath.set_nice): the request thread waits and reads at its
-    nice value and serves a WRITE at the server's own, then goes back."""
-    store = native_store(size=4096 * PAGE, warm_algorithm="none", frame_pages=16,
-                         dictionary="none")
-    path = native.NativePath(store)
-    door = NativeRequests(store, path)
-    seen: set[int] = set()
-    done = threading.Event()
-    tid: list[int] = []
-    after: list[int] = []
-
-    def nice_now() -> int:
-        with open(f"/proc/self/task/{tid[0]}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[16])
-
-    def poll() -> None:
-        while not done.is_set():
-            seen.add(nice_now())
-
-    def serve() -> None:
-        tid.append(threading.get_native_id())
-        os.setpriority(os.PRIO_PROCESS, tid[0], -3)
-        poller = threading.Thread(target=poll)
-        poller.start()
-        rnd = random.Random(4)
-        deadline = time.monotonic() + 10
-        try:
-            k = 0
-            while 5 not in seen and time.monotonic() < deadline:
-                door.write(b"".join(text_page(rnd, k + j) for j in range(16)),
-                           (k % 256) * 16 * PAGE)
-                k += 1
-        finally:
-            after.append(nice_now())  # between requests: back at read_nice
-            done.set()
-            poller.join()
-
-    try:
-        path.set_nice(-3, 5)
-        with pytest.raises(ValueError):
-            path.set_nice(-21, 0)
-        t = threading.Thread(target=serve)
-        t.start()
-        t.join(30)
-        assert door.native_writes > 0
-        assert 5 in seen and -3 in seen, seen
-        assert after == [-3]
-    finally:
-        door.close()
         path.close()
         store.close()
