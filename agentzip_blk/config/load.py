@@ -309,7 +309,6 @@ def _parse_device(value: Any) -> DeviceConfig:
         frontend=_choice(data.get("frontend", d.frontend), "device.frontend", FRONTENDS),
         datapath=_choice(data.get("datapath", d.datapath), "device.datapath", DATAPATHS),
         swap_map=_choice(data.get("swap_map", d.swap_map), "device.swap_map", SWAP_MAP_MODES),
-        request_nice=_int(data.get("request_nice", d.request_nice), "device.request_nice", -20, 19),
         control_group=_group(data.get("control_group", d.control_group), "device.control_group"),
     )
 

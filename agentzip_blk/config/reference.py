@@ -97,10 +97,6 @@ KEYS: tuple[Key, ...] = (
         "Read the kernel's swap map of our area every second (a BPF program, loaded but never "
         "attached) and forget the copies of slots the kernel freed without a discard. auto: "
         "where the kernel allows it (root, BTF, a known layout; stats says why not); off: never."),
-    Key("device.request_nice", "-20..19",
-        "The nice value of the threads that answer the kernel's requests (FUSE workers, "
-        "nbdkit's): below 0, a fault's answer does not wait behind the sandboxes' CPU work. "
-        "Needs CAP_SYS_NICE (root); status says when it did not take."),
     Key("device.control_group", "group name | null",
         "A group whose members may use the read-only control verbs (stats, health, ping, "
         "slots) on RUN/control.sock, e.g. a non-root exporter. null: root only."),

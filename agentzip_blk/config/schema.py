@@ -122,12 +122,6 @@ class DeviceConfig:
     # of slots the kernel freed without telling the device (docs/ARCHITECTURE.md, "What the
     # kernel tells the device"). auto: where the kernel allows it (status says why not).
     swap_map: str = "auto"
-    # The nice value of the threads that answer the kernel's requests (the FUSE workers,
-    # nbdkit's). zram does its work in the faulting task, at that task's priority; ours is
-    # done by a thread that competes with every sandbox for the CPU, a fault's answer
-    # waiting behind their slices (BENCHMARKS.md, "Request threads before the sandboxes").
-    # Below 0 they go first; the maintainer stays at the server's own.
-    request_nice: int = 0
     # A group whose members may use the read-only control verbs on control.sock
     # (datapath.server.READ_ONLY_VERBS), e.g. a metrics exporter that is not root.
     # None: root only. nbd.sock stays root's alone whatever this says.

@@ -10,7 +10,6 @@ import ctypes
 import ctypes.util
 import os
 import resource
-import threading
 
 MCL_CURRENT = 1
 MCL_FUTURE = 2
@@ -67,15 +66,6 @@ def set_io_flusher() -> str | None:
     """PR_SET_IO_FLUSHER for the calling thread: its allocations may not recurse into I/O."""
     if _libc.prctl(PR_SET_IO_FLUSHER, 1, 0, 0, 0) != 0:
         return os.strerror(ctypes.get_errno())
-    return None
-
-
-def set_thread_nice(nice: int) -> str | None:
-    """The calling thread's nice value (Linux keeps one per thread); None on success."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-    except OSError as exc:
-        return exc.strerror or str(exc)
     return None
 
 

@@ -87,8 +87,6 @@ class Protection:
     oom_score: str | None = "not tried"
     io_flusher: str | None = "not tried"
     io_flusher_threads: set[int] = field(default_factory=set)
-    # device.request_nice on the request threads: None once set (or nothing asked), else why not
-    request_nice: str | None = None
     parent_death_signal: str | None = "not tried"
     core_dumps: str | None = "not tried"  # None: forbidden (protect.forbid_core_dumps)
 
@@ -285,19 +283,12 @@ class Server:
                 self.store.close()  # removes the disk tier file
 
     def on_request_thread(self) -> None:
-        """PR_SET_IO_FLUSHER and the nice value are per thread: set both on each request
-        thread (FUSE worker, nbdkit worker) the first time it calls."""
+        """PR_SET_IO_FLUSHER is per thread; mark each nbdkit worker the first time it calls."""
         ident = threading.get_ident()
         if ident not in self.protection.io_flusher_threads:
             with self._flusher_lock:
                 self.protection.io_flusher_threads.add(ident)
             protect.set_io_flusher()
-            nice = self.config.device.request_nice
-            why = protect.set_thread_nice(nice) if nice else None
-            if why is not None and self.protection.request_nice is None:
-                self.protection.request_nice = why
-                _say(f"agentzip: device.request_nice {nice} not set ({why}): the request "
-                     "threads compete with the sandboxes at the server's priority")
 
     # -- requests: both front doors call these (the nbdkit plugin and the FUSE door) ---
 
@@ -529,8 +520,6 @@ class Server:
             "memory_locked": self.protection.memory_locked is None,
             "oom_score_lowered": self.protection.oom_score is None,
             "io_flusher": self.protection.io_flusher is None,
-            # device.request_nice on every request thread (true when 0: nothing asked)
-            "request_nice_set": self.protection.request_nice is None,
             "parent_death_signal_cleared": self.protection.parent_death_signal is None,
             "core_dumps_forbidden": self.protection.core_dumps is None,
             "guarded_device": self.guard.device if self.guard else None,

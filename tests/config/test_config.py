@@ -159,7 +159,6 @@ def valid_configs(draw):
             "frontend": draw(st.sampled_from(["auto", "fuse", "nbdfuse", "nbd"])),
             "datapath": draw(st.sampled_from(["auto", "native", "python"])),
             "swap_map": draw(st.sampled_from(["auto", "off"])),
-            "request_nice": draw(st.integers(-20, 19)),
             "control_group": draw(st.sampled_from([None, "root"])),
         },
         "metrics": {"listen": draw(st.sampled_from(["127.0.0.1:9479", "[::1]:1", "0.0.0.0:65535"]))},
