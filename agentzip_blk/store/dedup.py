@@ -261,43 +261,40 @@ class DedupIndex:
         self.count += 1
         return True
 
-    def remove(self, key: int, value: int) -> bool:
-        """Drop the entry; False if it was never indexed (then it leaves `unindexed`)."""
+    def _find(self, key: int, value: int) -> int:
+        """The position of the entry of `key` naming `value`, or -1."""
         fps, cap = self._fpv, self._cap
         fp = fingerprint(key)
         pos = (key * cap) >> 32
         for _ in range(MAX_PROBE):
             k = fps[pos]
             if k == _EMPTY:
-                break
+                return -1
             if k == fp and self._valv[pos] == value:
-                fps[pos] = _TOMBSTONE
-                self.count -= 1
-                self._tombstones += 1
-                return True
+                return pos
             pos += 1
             if pos == cap:
                 pos = 0
-        self.unindexed -= 1
-        return False
+        return -1
+
+    def remove(self, key: int, value: int) -> bool:
+        """Drop the entry; False if it was never indexed (then it leaves `unindexed`)."""
+        pos = self._find(key, value)
+        if pos < 0:
+            self.unindexed -= 1
+            return False
+        self._fpv[pos] = _TOMBSTONE
+        self.count -= 1
+        self._tombstones += 1
+        return True
 
     def repoint(self, key: int, old: int, new: int) -> None:
         """The entry of `key` naming `old` names `new` from now on (a blob moved to another
         row, Objects.renumber). Same key, same position: nothing is removed or added, so an
         entry that was never indexed stays counted in `unindexed`."""
-        fps, cap = self._fpv, self._cap
-        fp = fingerprint(key)
-        pos = (key * cap) >> 32
-        for _ in range(MAX_PROBE):
-            k = fps[pos]
-            if k == _EMPTY:
-                return
-            if k == fp and self._valv[pos] == old:
-                self._valv[pos] = new
-                return
-            pos += 1
-            if pos == cap:
-                pos = 0
+        pos = self._find(key, old)
+        if pos >= 0:
+            self._valv[pos] = new
 
     # -- resizing --------------------------------------------------------------------
 
