@@ -999,6 +999,9 @@ def parse_args(argv):
     ap.add_argument("--max-n", type=int, help="largest N tried (64)")
     ap.add_argument("--ns", help="quick/fixed mode: comma list of N (no search)")
     ap.add_argument("--seed", type=int)
+    ap.add_argument("--swap-size", type=int, metavar="MiB",
+                    help="zram's disksize and agentzip-blk's device.size (8192): above half "
+                         "full, the kernel frees a slot at swap-in (vm_swap_full)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="a config key for agentzip-blk (compression, policy or device), e.g. "
                          "compression.warm_algorithm=none; repeatable")
@@ -1019,6 +1022,8 @@ def options_from(a) -> Options:
         raise SystemExit(f"bench_density: unknown configuration(s) {', '.join(bad)}")
     if a.limit:
         o.limit = a.limit * MiB
+    if a.swap_size:
+        o.swap_size = a.swap_size * MiB
     for k in ("duration", "start", "max_n", "seed", "workdir"):
         if getattr(a, k) is not None:
             setattr(o, k, getattr(a, k))
