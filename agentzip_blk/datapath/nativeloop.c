@@ -480,12 +480,13 @@ static int hand_up(Path *self, int reason) {
  * pages of a write and their compressed bytes, a read's plan, the stored bytes of the dense
  * blobs it decodes after the lock and their decoded frames, and a zstd context. */
 #define READ_JOBS_ROOM (8 * MAX_FRAME_PAGES * MAX_COMPRESSED)
+/* a page's room per page of the request, and the slack a last frame's bound needs past them */
+#define WRITE_SCRATCH (MAX_PAGES * PAGE + ZSTD_COMPRESSBOUND(FRAME_BYTES) - FRAME_BYTES)
 typedef struct {
     WritePlan write;
     LZ4_stream_t lz4;
-    uint8_t scratch[MAX_PAGES * MAX_COMPRESSED];
+    uint8_t scratch[WRITE_SCRATCH];
     uint8_t frame[FRAME_BYTES];
-    uint8_t spill[ZSTD_COMPRESSBOUND(FRAME_BYTES)];
     ZSTD_CCtx *cctx_frame, *cctx_page; /* dense writes, made at the first (cctx_level) */
     int cctx_level, cctx_pages;
     ReadPlan plan;
@@ -540,7 +541,6 @@ static int write_plan(ThreadScratch *s, const WriteParams *p) {
     s->write.scratch = s->scratch;
     s->write.lz4 = &s->lz4;
     s->write.frame = s->frame;
-    s->write.spill = s->spill;
     s->write.cctx_frame = s->cctx_frame;
     s->write.cctx_page = s->cctx_page;
     s->write.dctx = s->dctx;

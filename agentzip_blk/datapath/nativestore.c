@@ -795,7 +795,7 @@ int prepare_write(const WriteParams *p, const uint8_t *data, uint64_t count, Wri
         w->csum = p->checksums ? page_csum(page) : 0;
         if (w->repeat_of >= 0 || p->dense)
             continue;
-        uint8_t *out = plan->scratch + i * MAX_COMPRESSED;
+        uint8_t *out = plan->scratch + i * PAGE;
         /* python-lz4's call (a fresh stream, compress_fast_continue): its output, which
          * is smaller than one-shot LZ4_compress_fast's on these pages, at the same speed */
         LZ4_stream_t *stream = LZ4_initStream(plan->lz4, sizeof(LZ4_stream_t));
@@ -829,21 +829,22 @@ int prepare_write(const WriteParams *p, const uint8_t *data, uint64_t count, Wri
     }
     for (uint32_t k = 0; k < plan->ngroups; k++) {
         WriteGroup *grp = &plan->groups[k];
-        /* its output at its first page's place: the next group starts past its last page */
-        uint8_t *out = plan->scratch + (size_t)grp->pos[0] * MAX_COMPRESSED;
+        /* its output at its first page's place, whole: the next group starts past its last
+         * page, and what runs past that (a frame that did not compress) is only ever read
+         * here, before the next group writes there (the scratch's slack covers the last) */
+        uint8_t *out = plan->scratch + (size_t)grp->pos[0] * PAGE;
         grp->incompressible = 0;
         if (grp->m > 1) {
             for (uint16_t j = 0; j < grp->m; j++)
                 memcpy(plan->frame + (size_t)j * PAGE, wp[grp->pos[j]].page, PAGE);
-            /* into the spill room, whole: a frame that does not pay says by its length
-             * whether its pages may pay alone (codecs.alone_may_pay) */
-            size_t n = ZSTD_compress2(plan->cctx_frame, plan->spill,
-                                      ZSTD_COMPRESSBOUND(FRAME_BYTES), plan->frame,
+            /* whole, so that a frame that does not pay says by its length whether its
+             * pages may pay alone (codecs.alone_may_pay) */
+            size_t n = ZSTD_compress2(plan->cctx_frame, out,
+                                      ZSTD_COMPRESSBOUND((size_t)grp->m * PAGE), plan->frame,
                                       (size_t)grp->m * PAGE);
             if (ZSTD_isError(n) || n == 0)
                 n = (size_t)grp->m * PAGE; /* as if it did not compress */
             if (n <= (size_t)grp->m * MAX_COMPRESSED) { /* codecs.pays */
-                memcpy(out, plan->spill, n);
                 grp->len = (uint32_t)n;
                 grp->stored = out;
                 grp->csum = p->checksums ? (uint32_t)XXH3_64bits(out, n) : 0;
@@ -862,7 +863,7 @@ int prepare_write(const WriteParams *p, const uint8_t *data, uint64_t count, Wri
         }
         for (uint16_t j = 0; j < grp->m; j++) { /* alone (Placer.store_group's fallback) */
             uint16_t i = grp->pos[j];
-            dense_page(p, plan->cctx_page, wp[i].page, plan->scratch + (size_t)i * MAX_COMPRESSED,
+            dense_page(p, plan->cctx_page, wp[i].page, plan->scratch + (size_t)i * PAGE,
                        &wp[i]);
         }
     }

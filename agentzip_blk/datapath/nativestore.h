@@ -256,12 +256,12 @@ typedef struct {
     WritePage pages[MAX_PAGES];
     WriteGroup groups[MAX_PAGES];
     uint32_t ngroups;
-    uint8_t *scratch;     /* MAX_PAGES * MAX_COMPRESSED */
+    uint8_t *scratch;     /* page i's stored bytes at i * PAGE; a frame's from its first
+                           * page's place, up to zstd's bound (nativeloop.c WRITE_SCRATCH) */
     void *lz4;            /* an LZ4_stream_t's room */
     void *cctx_frame;     /* ZSTD_CCtx for frames (dense), for pages alone */
     void *cctx_page;
     uint8_t *frame;       /* FRAME_BYTES: a group's pages, contiguous */
-    uint8_t *spill;       /* ZSTD_COMPRESSBOUND(FRAME_BYTES): a frame's output, paying or not */
     void *dctx;           /* ZSTD_DCtx and FRAME_BYTES for dedup comparisons with frames */
     uint8_t *dec;
 } WritePlan;
