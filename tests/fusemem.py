@@ -1,7 +1,28 @@
 """A bytearray behind the FUSE door's request interface (datapath.fuse.Backend, what
-datapath.server.Server is): the door's protocol tested without a store."""
+datapath.server.Server is): the door's protocol tested without a store; and the mount
+point the door's tests mount it on."""
 
 from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+
+
+def mounted(path: str) -> bool:
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == path for line in f)
+
+
+def mount_point(prefix: str) -> Iterator[str]:
+    """A fresh directory in /tmp to mount on; afterwards unmounted (lazily) if a test left
+    it mounted, and removed."""
+    d = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    yield d
+    if mounted(d):
+        subprocess.run(["umount", "-l", d], check=False)
+    shutil.rmtree(d, ignore_errors=True)
 
 
 class Mem:

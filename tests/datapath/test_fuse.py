@@ -35,7 +35,7 @@ from agentzip_blk.datapath.fuse import FuseFile
 from agentzip_blk.errors import OutOfRange, StoreFull
 from agentzip_blk.host import facts
 from cliswap import HEAP_WORKLOAD, leave_nothing, squeezed_workload, stop_workload
-from fusemem import Mem
+from fusemem import Mem, mount_point, mounted
 from nbdkit_server import nbdkit_available, start_server
 
 PAGE = 4096
@@ -55,11 +55,6 @@ def fallocate(fd: int, mode: int, offset: int, length: int) -> None:
         raise OSError(err, os.strerror(err))
 
 
-def mounted(path: str) -> bool:
-    with open("/proc/self/mountinfo") as f:
-        return any(line.split()[4] == path for line in f)
-
-
 def aligned(data: bytes) -> mmap.mmap:
     m = mmap.mmap(-1, max(PAGE, len(data)))
     m.write(data)
@@ -68,11 +63,7 @@ def aligned(data: bytes) -> mmap.mmap:
 
 @pytest.fixture
 def mnt():
-    d = tempfile.mkdtemp(prefix="azfd-", dir="/tmp")
-    yield d
-    if mounted(d):
-        subprocess.run(["umount", "-l", d], check=False)
-    shutil.rmtree(d, ignore_errors=True)
+    yield from mount_point("azfd-")
 
 
 def test_protocol_over_a_bytearray(mnt):

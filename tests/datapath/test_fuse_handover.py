@@ -9,9 +9,6 @@ paths: Python's and the native loop's (its serve() waits in epoll and stops on t
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import tempfile
 import threading
 import time
 
@@ -19,7 +16,7 @@ import pytest
 
 from agentzip_blk.datapath import native
 from agentzip_blk.datapath.fuse import FuseFile
-from fusemem import Mem
+from fusemem import Mem, mount_point, mounted
 
 PAGE = 4096
 MiB = 1 << 20
@@ -28,18 +25,9 @@ pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="needs root and /dev/fuse")
 
 
-def mounted(path: str) -> bool:
-    with open("/proc/self/mountinfo") as f:
-        return any(line.split()[4] == path for line in f)
-
-
 @pytest.fixture
 def mnt():
-    d = tempfile.mkdtemp(prefix="azfh-", dir="/tmp")
-    yield d
-    if mounted(d):
-        subprocess.run(["umount", "-l", d], check=False)
-    shutil.rmtree(d, ignore_errors=True)
+    yield from mount_point("azfh-")
 
 
 def read_page(path: str, page: int) -> bytes:

@@ -169,9 +169,7 @@ def test_restart_ten_times_under_a_faulting_workload(tmp_path):
 
         stop_workload(proc, cg)
         proc = cg = None
-        print(f"{time.monotonic() - t_start:.1f}s before down")
         r = cli("--config", str(cfg), "down")
-        print(f"{time.monotonic() - t_start:.1f}s after down")
         assert r.returncode == 0, r.stderr
         assert "detached" in r.stdout
     finally:
