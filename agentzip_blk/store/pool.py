@@ -219,6 +219,7 @@ class Pool:
     def span(self) -> int:
         """Bytes of the memfd per arena id: arena `a` is at `a * span`."""
         return self._state[SPAN]
+
     @property
     def max_size(self) -> int:
         return self._state[MAX_SIZE]
