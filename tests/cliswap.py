@@ -12,14 +12,17 @@ import time
 
 from agentzip_blk.cgroups.fs import MemoryCgroup
 
-# A heap of distinct, compressible 1 MiB blocks (argv[1] of them); it prints READY and the
-# heap's digest, then VERIFY re-reads all of it (every swapped page faults back through the
-# device) and answers OK or BAD.
+# A heap of distinct 1 MiB blocks (argv[1] of them), compressible text, or random bytes with
+# argv[2] "random"; it prints READY and the heap's digest, then VERIFY re-reads all of it
+# (every swapped page faults back through the device) and answers OK or BAD.
 HEAP_WORKLOAD = r"""
-import hashlib, sys
+import hashlib, os, sys
 mb = int(sys.argv[1])
 blocks = []
 for i in range(mb):
+    if sys.argv[2:] == ["random"]:
+        blocks.append(bytearray(os.urandom(1 << 20)))
+        continue
     line = b"%08d {'role': 'tool', 'content': 'agentzip fuse front door'} " % i
     blocks.append(bytearray((line * (1 + (1 << 20) // len(line)))[: 1 << 20]))
 digest = hashlib.sha256(b"".join(blocks)).hexdigest()
