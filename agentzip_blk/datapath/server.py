@@ -231,7 +231,11 @@ class Server:
             taker.ready()
             return taker, fds[0], header
         except BaseException as exc:
-            taker.fail(f"{type(exc).__name__}: {exc}")
+            why = f"{type(exc).__name__}: {exc}"
+            # in the log first: `restart` kills this process as soon as it hears "fail", and
+            # keeps the log for the operator (host/restart.py FAILED_LOG)
+            _say(f"agentzip: takeover from pid {self.options.takeover_pid} failed: {why}")
+            taker.fail(why)
             taker.close()
             if self.store is not None:
                 self.store.release()  # the old server's memory and tier file stay its own
