@@ -46,6 +46,7 @@ import logging
 import os
 import select
 import stat
+import sys
 import struct
 import threading
 import time
@@ -78,6 +79,7 @@ FUSE_MAX_PAGES = 1 << 22
 WANTED_FLAGS = FUSE_ASYNC_READ | FUSE_BIG_WRITES | FUSE_ASYNC_DIO | FUSE_PARALLEL_DIROPS | \
     FUSE_MAX_PAGES
 
+FUSE_NOTIFY_RESEND = 7  # a notification's code goes where a reply's error does
 FOPEN_DIRECT_IO = 1 << 0  # no page cache for this file, whoever opens it
 
 FALLOC_FL_KEEP_SIZE = 0x01
@@ -323,6 +325,17 @@ class FuseFile:
         what it holds, and ``stop`` neither unmounts nor aborts."""
         self._conn = None
         self._handed_over = True
+
+    def resend(self) -> None:
+        """Ask the kernel to queue again every request a server read and did not answer
+        (FUSE_NOTIFY_RESEND, Linux 6.9): after a crash, what the dead server had taken.
+        An older kernel refuses it (ENOSYS, EINVAL): those requests then wait for ever, so
+        say so in the log."""
+        try:
+            os.write(self._fd, OUT_HEADER.pack(OUT_HEADER.size, FUSE_NOTIFY_RESEND, 0))
+        except OSError as exc:
+            print(f"agentzip: FUSE_NOTIFY_RESEND refused ({exc}): requests the dead server "
+                  f"had read are lost", file=sys.stderr, flush=True)
 
     @property
     def connection(self) -> int | None:

@@ -326,6 +326,7 @@ static PyObject *Path_bind(Path *self, PyObject *args) {
             bad = 1;                                                                         \
     } while (0)
     STATE(slot_state, "slot_state", 1);
+    STATE(slot_switch, "slot_switch", 4);
     COLUMN(arena, "arena", int32_t, nblobs);
     COLUMN(cell, "cell", uint32_t, nblobs);
     COLUMN(tier, "tier", uint8_t, nblobs);

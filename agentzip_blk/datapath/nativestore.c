@@ -1227,8 +1227,20 @@ int native_pack(Tables *t, const WriteParams *p, void *lock, const uint32_t *blo
             const PackPage *q = &pp[good[g + k]];
             t->members[(uint64_t)blob * t->stride + k] = q->key;
             index_insert(t, p, q->key, blob << SUB_BITS | (uint32_t)k);
+            /* announced first: a crash between the two stores is finished by recovery
+             * (store.shared, SlotTable.switch) */
+            t->slot_switch[0] = (int64_t)q->slot;
+            t->slot_switch[1] = blob;
+            t->slot_switch[2] = (int64_t)k;
+            /* compiler barriers: the stores must reach memory in this order, a SIGKILL stops
+             * the process between any two of them */
+            __asm__ __volatile__("" ::: "memory");
+            t->slot_switch[3] = 1;
+            __asm__ __volatile__("" ::: "memory");
             t->handle[q->slot] = blob;
             t->sub[q->slot] = (uint8_t)k;
+            __asm__ __volatile__("" ::: "memory");
+            t->slot_switch[3] = 0;
         }
         t->codec_pages[CODEC_ZSTD] += (int64_t)m;
         r->switched += m;

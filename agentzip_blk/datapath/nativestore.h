@@ -73,6 +73,7 @@ typedef struct {
     uint8_t *chunk_written;
     uint64_t nchunks;
     int64_t *slot_state; /* same_pages */
+    int64_t *slot_switch; /* a slot switched outside a request (store.shared SWITCH_*) */
     /* blob table (store.blobs) */
     int32_t *arena;
     uint32_t *cell;

@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from time import perf_counter
 
 from .. import __version__, procfs
@@ -24,6 +24,7 @@ from ..config import Config, load_config, load_file
 from ..config.quantities import parse_size
 from ..store import PageStore
 from ..store.handover import Exported
+from ..store.recovery import Held
 from ..store.tiering import Maintainer
 from . import handover, latency, native, protect
 from .control import ControlServer
@@ -32,7 +33,7 @@ from .guard import SignalGuard
 from .pressure import HostPressure
 
 PLUGIN_KEYS = ("config", "config_sha256", "size", "control", "fuse", "fuse_threads", "takeover",
-               "takeover_pid")
+               "takeover_pid", "holder")
 HANDOVER_TIMEOUT = 120.0  # s the old server waits for the new one's check (a big store's)
 MAX_STATS_AGE = 3600  # s: the oldest cached stats a `stats` request may ask for
 # s: the youngest stats a member of the control group gets. A fresh one is a scan of the
@@ -60,6 +61,9 @@ class ServerOptions:
     # FUSE connection and its store (datapath.handover); nothing is mounted or built anew
     takeover: str | None = None
     takeover_pid: int | None = None
+    # the holder's socket (host.holder): it keeps our descriptors so that they outlive a
+    # crash, and starts a server that recovers from them (store.recovery)
+    holder: str | None = None
 
     @classmethod
     def from_keys(cls, keys: dict[str, str]) -> ServerOptions:
@@ -78,7 +82,7 @@ class ServerOptions:
         return cls(config_path=keys.get("config"), config_sha256=keys.get("config_sha256"),
                    size=size, control=keys.get("control"), fuse=keys.get("fuse"),
                    fuse_threads=threads, takeover=keys.get("takeover"),
-                   takeover_pid=takeover_pid)
+                   takeover_pid=takeover_pid, holder=keys.get("holder"))
 
 
 @dataclass
@@ -122,6 +126,10 @@ class Server:
         self.first_started = self.started
         self.handed_over = False
         self._handover_lock = threading.Lock()
+        # crash recoveries this store has been through, and what the last one repaired
+        self.recoveries = 0
+        self.repair: dict | None = None
+        self.holder = None  # datapath.holding.HolderClient once connected
 
     @classmethod
     def from_keys(cls, keys: dict[str, str]) -> Server:
@@ -181,6 +189,7 @@ class Server:
             self.control.start()
         if self.options.fuse:
             self._start_fuse()
+            self._commit_to_holder(self.fuse.descriptor, self.fuse.connection)
 
     def _control(self, path: str) -> ControlServer:
         group = self.config.device.control_group
@@ -221,12 +230,15 @@ class Server:
             header = offer.header
             if len(fds) < 1:
                 raise handover.HandoverError("an offer without the FUSE descriptor")
+            if header.get("recover"):
+                return taker, *self._recover(taker, header, fds)
             exported = Exported(header["store"], fds[1:])
             fds = fds[:1]  # adopt owns the store's descriptors, and closes them on failure
             self.store = PageStore.adopt(self.size, self.config, exported,
                                          lock=native.make_lock(self.datapath))
             self.store.check()
             self.restarts = int(header.get("restarts", 0)) + 1
+            self.recoveries = int(header.get("recoveries", 0))
             self.first_started = float(header.get("first_started", self.started))
             taker.ready()
             return taker, fds[0], header
@@ -244,6 +256,35 @@ class Server:
                 os.close(fd)
             raise
 
+    def _recover(self, taker: handover.Taker, header: dict,
+                 fds: list[int]) -> tuple[int, dict]:
+        """The holder's offer after a crash (host.holder): the store rebuilt from the dead
+        server's memory (store.recovery), checked; says ready. Returns the FUSE descriptor
+        (a duplicate: the offer's are closed by the caller's cleanup on failure, here on
+        success) and the header `_serve_taken` reads."""
+        names = header.get("names")
+        if not isinstance(names, list) or len(names) != len(fds) or "fuse" not in names:
+            raise handover.HandoverError("a recovery offer without its names or the FUSE "
+                                         "descriptor")
+        metas = header.get("tables") or {}
+        held = Held(dict(zip(names, fds)), {n: metas.get(n, {}) for n in names})
+        self.store, repair = PageStore.recover(self.size, self.config, held,
+                                               lock=native.make_lock(self.datapath))
+        meta = header.get("meta") or {}
+        self.restarts = int(meta.get("restarts", 0))
+        self.first_started = float(meta.get("first_started", self.started))
+        self.recoveries = int(header.get("recoveries", 1))
+        self.repair = asdict(repair)
+        fuse_fd = os.dup(held.fds["fuse"])
+        for fd in fds:  # the store keeps duplicates of what it needs
+            os.close(fd)
+        fds.clear()
+        _say(f"agentzip: recovered the store of a server that died (recovery "
+             f"{self.recoveries}): {self.repair}")
+        taker.ready()
+        return fuse_fd, {"guard_device": meta.get("guard_device"),
+                         "fuse_connection": meta.get("fuse_connection"), "recovered": True}
+
     def _serve_taken(self, taker: handover.Taker, fuse_fd: int, header: dict) -> None:
         """After "ready": wait for the old server's "go", then serve; the control socket
         replaces the old one's path at once (rename), so `status` reaches this server."""
@@ -259,7 +300,13 @@ class Server:
         device = header.get("guard_device")
         if device and self.guard is not None:
             self.guard.arm(device)
+        # the holder has our tables before the first request is served: a crash from
+        # here on recovers from them, not from the old server's
+        self._commit_to_holder(fuse_fd, header.get("fuse_connection"))
         self._start_fuse(adopt_fd=fuse_fd, conn=header.get("fuse_connection"))
+        if header.get("recovered"):
+            # what the dead server had read and not answered, the kernel sends again
+            self.fuse.resend()
         staged = self.options.control + ".next"
         self.control = self._control(staged)
         self.control.start()
@@ -267,7 +314,46 @@ class Server:
         _say(f"agentzip: serving after a handover from pid {self.options.takeover_pid} "
              f"(restart {self.restarts})")
 
+    # -- the holder: our descriptors outlive us (host.holder, store.recovery) ---------------
+
+    def _commit_to_holder(self, fuse_fd: int | None, conn: int | None) -> None:
+        """Give the holder every descriptor a recovery needs (the FUSE connection, the
+        pool, the shared tables, the tier) and what to tell the next server; from then on
+        the new ones as they come. Without a holder (holder= not given) a crash loses every
+        page, as before; a holder that cannot be reached stops the server from serving."""
+        if not self.options.holder or fuse_fd is None:
+            return
+        from .holding import HolderClient
+
+        client = HolderClient(self.options.holder)
+        client.hello(os.getpid())
+        client.put("fuse", fuse_fd, {"kind": "fuse"})
+        self.store.attach_holder(client.put, client.drop)
+        client.meta({**self._holder_meta(), "fuse_connection": conn})
+        client.commit()
+        self.holder = client
+
+    def _holder_meta(self) -> dict:
+        return {"fuse_connection": self.fuse.connection if self.fuse else None,
+                "guard_device": self.guard.device if self.guard else None,
+                "restarts": self.restarts, "first_started": self.first_started,
+                "recoveries": self.recoveries}
+
+    def _bye(self, why: str) -> None:
+        """Tell the holder this server stops on purpose (no recovery follows)."""
+        client, self.holder = self.holder, None
+        if client is None:
+            return
+        self.store.shared.detach()
+        try:
+            client.bye(why)
+        except Exception as exc:  # the holder is gone: nothing to tell
+            _say(f"agentzip: could not tell the holder ({why}): {exc}")
+        client.close()
+
     def stop(self) -> None:
+        if self.holder is not None and self.store is not None:
+            self._bye("handover" if self.handed_over else "shutdown")
         if self.fuse is not None:
             # unmounts (lazily if the loop device still holds it); after a handover it only
             # closes our descriptor: the connection is the next server's
@@ -350,6 +436,8 @@ class Server:
                 "guarded": self.guard is not None and self.guard.guarded(),
                 "datapath": self.datapath.path, "version": __version__,
                 "started": round(self.started, 3), "restarts": self.restarts,
+                "recoveries": self.recoveries, "holder": self.holder is not None,
+                "last_repair": self.repair,
                 "memory_locked": self.protection.memory_locked is None,
                 # why mlockall failed (status and doctor say it), None when locked
                 "memory_lock_error": self.protection.memory_locked}
@@ -362,6 +450,8 @@ class Server:
         if self.guard is None:
             raise ValueError("this server was started without a signal guard")
         self.guard.arm(device)  # once: another device is refused (SignalGuard.arm)
+        if self.holder is not None:  # the next server after a crash guards it too
+            self.holder.meta({"guard_device": device})
         return {"device": device}
 
     def _owned(self, request: dict) -> dict:
@@ -428,7 +518,7 @@ class Server:
         try:
             exported = self.store.export()  # under the store lock: no verb is inside it
             header = {"store": exported.header, "restarts": self.restarts,
-                      "first_started": self.first_started,
+                      "recoveries": self.recoveries, "first_started": self.first_started,
                       "guard_device": self.guard.device if self.guard else None,
                       "fuse_connection": self.fuse.connection}
             giver.offer(handover.Offer(header, [self.fuse.descriptor, *exported.fds]))
@@ -520,6 +610,8 @@ class Server:
             "start_time_s": round(self.started, 3),
             # restarts without swapoff this store has been through (`agentzip-blk restart`)
             "restarts": self.restarts,
+            # servers started again after a crash, from the dead one's memory (host.holder)
+            "recoveries": self.recoveries,
             "store_start_time_s": round(self.first_started, 3),
             "memory_locked": self.protection.memory_locked is None,
             "oom_score_lowered": self.protection.oom_score is None,

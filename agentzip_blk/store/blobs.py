@@ -16,8 +16,8 @@ from collections.abc import Callable
 import numpy as np
 
 from ..errors import StoreFull
-from . import tables
 from .dedup import MAX_BLOBS
+from .shared import SharedTables
 
 POOL = 0
 DISK = 1
@@ -55,6 +55,8 @@ GROW_AHEAD = 0.75  # the maintainer doubles the table once this share of its row
 # burst are free (~100 B each: 16 members of 4 B and the columns).
 TAIL_RELEASE_ROWS = 4096
 
+MOVE_BLOB, MOVE_ARENA, MOVE_CELL, MOVE_ON = range(4)  # BlobTable.moving
+
 # The table's scalars, in one int64 array (`state`) rather than attributes: the native
 # request path (datapath/nativeloop.c) hands out and frees rows too, through the same
 # numbers. FREE_HEAD: the first free row (-1: none); NEXT_UNUSED: rows ever handed out;
@@ -63,19 +65,24 @@ FREE_HEAD, NEXT_UNUSED, COUNT = 0, 1, 2
 
 
 class BlobTable:
-    def __init__(self, capacity: int = 1024, frame_pages: int = 1) -> None:
+    """Every column lives on a memfd of its own (store.shared, `blob_<column>`): a new
+    server maps them after a crash. They grow in place."""
+
+    def __init__(self, shared: SharedTables, capacity: int = 1024, frame_pages: int = 1) -> None:
         # runs when the columns are replaced (growth): the native request path reads them
         # by address (datapath.native)
         self.on_moved: Callable[[], None] = lambda: None
-        self.capacity = 0
+        self.shared = shared
+        self.capacity = capacity
         self.frame_pages = frame_pages
         for name, dtype in _COLUMNS.items():
-            setattr(self, name, np.zeros(0, dtype=dtype))
-        self.members = np.zeros((0, frame_pages), dtype=np.uint32)
-        self.state = np.zeros(3, dtype=np.int64)
+            setattr(self, name, shared.zeros(f"blob_{name}", capacity, dtype))
+        self.members = shared.zeros("blob_members", capacity, np.uint32, width=frame_pages)
+        self.state = shared.zeros("blob_state", 3, np.int64)
+        # a row moved to another cell (compaction), for recovery to finish: MOVE_* items
+        self.moving = shared.zeros("blob_move", 4, np.int64)
         self._state = memoryview(self.state)  # item access yields a Python int, fast
         self._state[FREE_HEAD] = -1
-        self._grow(capacity)
 
     @property
     def count(self) -> int:
@@ -146,6 +153,17 @@ class BlobTable:
         self.count += 1
         return blob
 
+    def move_cell(self, blob: int, arena: int, cell: int) -> None:
+        """Point a pool row at another cell holding the same bytes (compaction). The two
+        stores are announced first, so a crash between them is finished by recovery
+        (store.shared) instead of leaving the row on a cell that is neither; the caller
+        frees the old cell after this."""
+        mv = self.moving
+        mv[MOVE_BLOB], mv[MOVE_ARENA], mv[MOVE_CELL] = blob, arena, cell
+        mv[MOVE_ON] = 1
+        self.arena[blob], self.cell[blob] = arena, cell
+        mv[MOVE_ON] = 0
+
     def delete(self, blob: int) -> None:
         self.ref[blob] = 0
         self.gen[blob] += 1
@@ -158,7 +176,9 @@ class BlobTable:
     def move_down(self, rows: list[int]) -> dict[int, int]:
         """Under the store lock: the contents of `rows` moved to the lowest free rows below
         them; returns {old row: new row} for those moved. The caller re-points every
-        reference (slots, dedup index, caches). The free list is relinked lowest first."""
+        reference (slots, dedup index, caches), then calls `relink`: until then the moved
+        rows keep every column, so a crash in between leaves two whole copies of each and no
+        slot on a freed row (store.recovery keeps the one the slots name)."""
         used = self._next_unused
         free = np.flatnonzero(self.ref[:used] == 0).tolist()
         moved: dict[int, int] = {}
@@ -176,11 +196,9 @@ class BlobTable:
             self.ref[src] = 0
             self.gen[src] += 1
             moved[src] = dst
-        if moved:
-            self._relink()
         return moved
 
-    def _relink(self) -> None:
+    def relink(self) -> None:
         """The free list rebuilt, lowest row at its head: new rows come from the bottom."""
         free = np.flatnonzero(self.ref[: self._next_unused] == 0)
         self.arena[free[:-1]] = free[1:]
@@ -202,12 +220,12 @@ class BlobTable:
         if released >= TAIL_RELEASE_ROWS:
             for name in _COLUMNS:
                 if name != "gen":
-                    tables.release_from(getattr(self, name), live_top)
-            tables.release_from(self.members, live_top)
+                    self.shared.punch_from(f"blob_{name}", live_top)
+            self.shared.punch_from("blob_members", live_top)
             self._next_unused = live_top
         else:
             released = 0
-        self._relink()
+        self.relink()
         return released
 
     # -- handover (store.handover) ----------------------------------------------------
@@ -258,14 +276,12 @@ class BlobTable:
         return self._next_unused
 
     def prepare(self, capacity: int, rows: int) -> dict[str, np.ndarray]:
-        """New columns of `capacity` rows, the pages of the first `rows` (those in use)
-        written: the maintainer calls this without the store lock (issue 15: no allocation
-        that can wait for reclaim on the swap-out path), `adopt` copies the rows over under
-        it."""
-        arrays = {name: tables.zeros(capacity, dtype) for name, dtype in _COLUMNS.items()}
-        arrays["members"] = tables.zeros((capacity, self.members.shape[1]), np.uint32)
-        for array in arrays.values():
-            array[:rows] = 0
+        """The columns with room for `capacity` rows (the same memfds, larger mappings):
+        the maintainer calls this without the store lock (issue 15: no allocation that can
+        wait for reclaim on the swap-out path), `adopt` switches to them under it. Nothing
+        is copied: the new mappings show the rows the old ones hold."""
+        arrays = {name: self.shared.grow(f"blob_{name}", capacity) for name in _COLUMNS}
+        arrays["members"] = self.shared.grow("blob_members", capacity)
         return arrays
 
     def adopt(self, arrays: dict[str, np.ndarray]) -> bool:
@@ -275,8 +291,6 @@ class BlobTable:
         if capacity <= self.capacity:
             return False
         for name, new in arrays.items():
-            old = getattr(self, name)
-            new[: len(old)] = old
             setattr(self, name, new)
         self.capacity = capacity
         self.on_moved()
@@ -285,13 +299,4 @@ class BlobTable:
     def _grow(self, capacity: int) -> None:
         """On the write path: only when the maintainer has not grown the table in time (or
         there is none: a store used in-process)."""
-        for name in _COLUMNS:
-            old = getattr(self, name)
-            new = tables.zeros(capacity, old.dtype)
-            new[: len(old)] = old
-            setattr(self, name, new)
-        members = tables.zeros((capacity, self.members.shape[1]), np.uint32)
-        members[: len(self.members)] = self.members
-        self.members = members
-        self.capacity = capacity
-        self.on_moved()
+        self.adopt(self.prepare(capacity, self._next_unused))

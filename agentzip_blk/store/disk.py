@@ -138,6 +138,10 @@ class _Sealer:
         self._prefix = prefix if prefix is not None else os.urandom(NONCE_BYTES - 8)
         self._counter = itertools.count(counter)  # next() is atomic under the GIL
 
+    @property
+    def key(self) -> bytes:
+        return self._key
+
     def secrets(self) -> tuple[bytes, bytes, int]:
         """(key, nonce prefix, next counter) for a handover. The successor counts from that
         value; this sealer jumps HANDOVER_GAP ahead of it, so that if the successor fails
@@ -247,6 +251,46 @@ class DiskTier:
         tier.punch_errors = int(scalars["punch_errors"])
         tier._pending = [(int(o), int(n)) for o, n in arrays["disk_pending"].tolist()]
         tier._dirty = bool(scalars["dirty"])
+        return tier
+
+    def key(self) -> bytes | None:
+        """The sealer's key (None: not encrypted), for the shared tables (store.shared): a
+        server that recovers from a crash reads the extents with it."""
+        return self._sealer.key if self._sealer is not None else None
+
+    @classmethod
+    def recover(cls, fd: int, path: str, max_size: int, key: bytes | None,
+                extents: np.ndarray) -> DiskTier:
+        """The tier of a server that died, on its descriptor `fd` (the holder kept it), with
+        its `key`; `extents`: (offset, bytes) of every extent a live blob names. The free
+        map is what lies between them; the nonce prefix is new (the dead server's counter
+        is unknown, and a new prefix never meets an old nonce)."""
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or os.pread(fd, len(TIER_MAGIC), 0) != TIER_MAGIC:
+            raise DiskError("the disk tier held for recovery is not a tier file")
+        tier = cls.__new__(cls)
+        tier.path = path
+        tier.max_size = max_size
+        tier._fd = fd
+        tier._sealer = _Sealer(key) if key is not None else None
+        tier.overhead = SEAL_OVERHEAD if key is not None else 0
+        tier._by_offset = SortedDict()
+        tier._by_size = SortedList()
+        at = len(TIER_HEADER)
+        live = 0
+        for offset, size in sorted((int(o), int(n)) for o, n in extents.tolist()):
+            if offset < at:
+                raise DiskError(f"disk extents overlap at {offset}")
+            if offset > at:
+                tier._add_free(at, offset - at)
+            at = offset + size
+            live += size
+        tier.end = at
+        tier.file_size = max(st.st_size, at)
+        tier.live_bytes = live
+        tier.reads = tier.writes = tier.punch_errors = 0
+        tier._pending = []
+        tier._dirty = False
         return tier
 
     def release(self) -> None:

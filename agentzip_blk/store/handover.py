@@ -478,3 +478,4 @@ def _restore_dictionaries(store: PageStore, saved: dict, arrays: dict[str, np.nd
     if not same:
         for e in fresh:
             registry.add(e.name, e.content, e.source, e.info, e.candidate, e.kind, e.frames)
+    store.share_dictionaries()  # the restored ones, where a crash does not lose them

@@ -174,8 +174,8 @@ class Objects:
             except BaseException:
                 blobs.delete(blob)
                 raise
-            blobs.tier[blob] = DISK
             blobs.disk_off[blob] = offset
+            blobs.tier[blob] = DISK
             self.counters.direct_to_disk += 1
         else:
             self.pool.put(arena, cell, stored)
@@ -212,7 +212,8 @@ class Objects:
     def renumber(self, ids: list[int]) -> dict[int, int]:
         """Pool blobs no request has seen yet (the recompressor's new frames) moved to lower
         free rows (BlobTable.move_down), their dedup entries with them; returns {old: new}
-        for those moved. Disk blobs stay: their extents are sealed to their id."""
+        for those moved. Disk blobs stay: their extents are sealed to their id. The caller
+        re-points the slots, then calls `blobs.relink()` (BlobTable.move_down says why)."""
         blobs = self.blobs
         moved = blobs.move_down([b for b in ids if blobs.tier[b] == POOL])
         for old, new in moved.items():

@@ -26,6 +26,7 @@ promotes it while the pool is below the demotion target.
 from __future__ import annotations
 
 import itertools
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -35,9 +36,10 @@ import numpy as np
 
 from ..codec.codecs import MAX_COMPRESSED, Codec, CodecSet, PooledCodec, make_codec
 from ..codec.dictionaries import StoreDictionaries
+from ..codec.dictionaries.registry import LoadedDict
 from ..config import MAX_DEVICE_SIZE, MAX_FRAME_PAGES
 from ..errors import OutOfRange, StoreFull
-from . import accounting, handover
+from . import accounting, handover, recovery
 from .blobs import BlobTable
 from .cache import HotCache
 from .dedup import SUB_BITS, DedupIndex, HashFn
@@ -50,6 +52,7 @@ from .parts import StoreParts
 from .placement import Placer, Prepared
 from .pool import Pool
 from .recompress import Recompressor
+from .shared import DropFn, NewFn, SharedTables
 from .slots import BLOB, CHUNK_SLOTS, EMPTY, SAME, TICK_MASK, SlotTable
 from .tiering import DEMOTE_CHUNK, REWRITE_CHUNK, Tiering, Tiers
 
@@ -128,7 +131,9 @@ class PageStore:
         self.size = size
         self.page_size = page_size
         self.nslots = size // page_size
-        self.slots = SlotTable(self.nslots)
+        # the books a crash must not lose, on memfds another process can hold (store.shared)
+        self.shared = SharedTables()
+        self.slots = SlotTable(self.nslots, self.shared)
         # the slot columns, for reading (tests, accounting)
         self.frame_pages = frame_pages
         writer = make_codec(algorithm, level, page_size)
@@ -142,12 +147,18 @@ class PageStore:
         self.dicts = StoreDictionaries(writer, dictionary, level, page_size, clock=clock,
                                        frame_writer=self.frame_codec, frame_pages=frame_pages)
         self.codecs = CodecSet(writer, self.dicts.registry)
+        # every dictionary where a crash does not lose it, before a writer may take it
+        self.share_dictionaries()
+        self.dicts.registry.on_added = self._share_dictionary
+        self.dicts.registry.on_unloaded = lambda dict_id: self.shared.drop(f"dict_{dict_id}")
         max_blob = frame_pages * MAX_COMPRESSED if frame_pages > 1 else page_size
         self.pool = Pool(tiering.max_size, page_size, max_blob, memfd=pool_memfd)
         self.disk = disk_tier
         if disk_tier is None and tiering.swap_out_path:
             self.disk = DiskTier(tiering.swap_out_path, tiering.swap_out_max_size)
-        self.blobs = BlobTable(frame_pages=frame_pages)
+        if self.disk is not None and self.disk.key() is not None:
+            self.shared.put_bytes("disk_key", self.disk.key(), {"path": self.disk.path})
+        self.blobs = BlobTable(self.shared, frame_pages=frame_pages)
         sub_mask = (1 << SUB_BITS) - 1
         # a resize re-places entries by their full keys, which the blob table keeps
         self.index = DedupIndex(enabled=dedup, key_of=lambda values: self.blobs.members[
@@ -251,6 +262,22 @@ class PageStore:
         of the descriptors."""
         return handover.adopt(cls, size, config, exported, lock=lock, **kwargs)
 
+    @classmethod
+    def recover(cls, size: int, config, held: recovery.Held, *, lock: StoreLock | None = None,
+                **kwargs) -> tuple[PageStore, recovery.Repair]:
+        """The store of a server that died, rebuilt from what its holder kept
+        (store.recovery), and what the repair found. The descriptors stay the caller's."""
+        return recovery.recover(cls, size, config, held, lock=lock, **kwargs)
+
+    def attach_holder(self, on_new: NewFn, on_drop: DropFn) -> None:
+        """Hand a holder every descriptor a recovery needs (store.recovery names them):
+        the pool's memfd, the disk tier's file, then the shared tables, now and as they
+        come (SharedTables.attach)."""
+        on_new(recovery.POOL_NAME, self.pool.memfd, {"kind": "pool", "span": self.pool.span})
+        if self.disk is not None:
+            on_new(recovery.DISK_NAME, self.disk.fd, {"kind": "disk", "path": self.disk.path})
+        self.shared.attach(on_new, on_drop)
+
     def release(self) -> None:
         """After `export`: let go of the store without freeing anything another process
         may have adopted: the arenas are unmapped, the pool memfd and the tier file's
@@ -262,7 +289,21 @@ class PageStore:
                 self.disk.release()
             self.hot.clear()
             self.objects.frames.clear()
+        self.shared.close()
         self.doorbell.close()
+
+    def share_dictionaries(self) -> None:
+        """Every registered dictionary into the shared tables (store.shared), again: after
+        a handover restored the registry as it was."""
+        for entry in self.dicts.registry.loaded():
+            self._share_dictionary(entry)
+
+    def _share_dictionary(self, entry: LoadedDict) -> None:
+        self.shared.put_bytes(f"dict_{entry.id}", entry.content, {
+            "id": entry.id, "name": entry.name, "source": entry.source,
+            "dict_kind": entry.kind, "frames": entry.frames, "candidate": entry.candidate,
+            "info": json.loads(json.dumps(entry.info, default=str)),
+            "setting": json.loads(json.dumps(self.dicts.setting))})
 
     @property
     def frames(self) -> HotCache:
@@ -293,7 +334,7 @@ class PageStore:
             "kind": slots.kind, "handle": slots.handle, "sub": slots.sub,
             "slot_rtime": slots.rtime, "chunk_live": slots.chunk_live,
             "chunk_touched": slots.chunk_touched, "chunk_written": slots.chunk_written,
-            "slot_state": slots.state,
+            "slot_state": slots.state, "slot_switch": slots.switching,
             "arena": blobs.arena, "cell": blobs.cell, "tier": blobs.tier,
             "length": blobs.length, "pages": blobs.pages, "codec": blobs.codec,
             "dict_id": blobs.dict_id, "ref": blobs.ref, "atime": blobs.atime,
@@ -787,4 +828,5 @@ class PageStore:
             if self.disk is not None:
                 self.disk.close()
             self.pool.release()  # empty by now: every arena punched
+        self.shared.close()
         self.doorbell.close()

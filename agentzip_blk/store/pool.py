@@ -518,6 +518,78 @@ class Pool:
             _libc.madvise(addr, size, _MADV_POPULATE_READ)
         self.on_moved()
 
+    def rebuild(self, arenas: np.ndarray, cells: np.ndarray, classes: np.ndarray) -> None:
+        """After a crash (store.recovery): the books of a pool on the dead server's memfd,
+        from the cells its live blobs use (`arenas`, `cells`, `classes`: one entry per live
+        cell, each arena of one class). Every arena is mapped where it is; its free cells
+        below the highest one used are linked again; whatever else the memfd holds (arenas
+        of cells no live blob names) is punched. Before any request."""
+        n = int(arenas.max()) + 1 if len(arenas) else 0
+        if n > len(self._a_class):
+            self._grow(n)
+        memfd, span = self.memfd, self.span
+        order = np.lexsort((cells, arenas))
+        arenas, cells, classes = arenas[order], cells[order], classes[order]
+        starts = np.flatnonzero(np.r_[True, arenas[1:] != arenas[:-1]]) if len(arenas) else []
+        bounds = list(starts) + [len(arenas)]
+        live_ids = set()
+        for k in range(len(bounds) - 1):
+            lo, hi = bounds[k], bounds[k + 1]
+            arena_id, cls = int(arenas[lo]), self.classes[int(classes[lo])]
+            used = cells[lo:hi]
+            addr = map_arena(memfd, arena_id * span, cls.arena_size)
+            _libc.madvise(addr, cls.arena_size, _MADV_POPULATE_READ)  # locked from now on
+            live_ids.add(arena_id)
+            self.arena_addr[arena_id] = addr
+            self._a_class[arena_id] = cls.index
+            self._a_used[arena_id] = len(used)
+            self._a_flags[arena_id] = 0
+            bump = int(used[-1]) + 1
+            self._a_bump[arena_id] = bump
+            head = _NO_CELL
+            for cell in sorted(set(range(bump)) - set(used.tolist()), reverse=True):
+                self._set_next_free(arena_id, cls, cell, head)
+                head = cell
+            self._a_free_head[arena_id] = head
+            touched = self._touched(cls, bump)
+            if touched < cls.arena_size:  # cells above the last one used: dead rows' bytes
+                _libc.fallocate(memfd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE,
+                                arena_id * span + touched, cls.arena_size - touched)
+            self._add(ALLOCATED, cls.arena_size)
+            self._add(RESIDENT, touched)
+            self._add(LIVE_BYTES, len(used) * cls.cell_size)
+            self._add(LIVE_CELLS, len(used))
+            self._add(ARENAS, 1)
+            if len(used) < cls.cells_per_arena:
+                self._partial_add(arena_id)
+        self._state[IDS] = n
+        free_head = _NO_ARENA
+        for arena_id in range(n - 1, -1, -1):
+            if arena_id not in live_ids:
+                self._a_class[arena_id] = _NO_CLASS
+                self._a_next[arena_id] = free_head
+                free_head = arena_id
+        self._state[FREE_ID] = free_head
+        self._punch_all_but(live_ids)
+        self.on_moved()
+
+    def _punch_all_but(self, live_ids: set[int]) -> None:
+        """Punch every range of the memfd that holds data outside the arenas in use."""
+        fd, span = self.memfd, self.span
+        size = os.fstat(fd).st_size
+        at = 0
+        while at < size:
+            try:
+                start = os.lseek(fd, at, os.SEEK_DATA)
+            except OSError:  # ENXIO: no data from here on
+                return
+            end = os.lseek(fd, start, os.SEEK_HOLE)
+            for arena_id in range(start // span, -(-end // span)):
+                if arena_id not in live_ids:
+                    _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE,
+                                    arena_id * span, span)
+            at = end
+
     def release(self) -> None:
         """Unmap every arena and close the memfd WITHOUT freeing what it holds: after a
         handover another process holds the memfd (its last holder frees it). A pool whose

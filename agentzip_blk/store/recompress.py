@@ -187,6 +187,7 @@ class Recompressor:
                     for slot in p.slots:
                         old = int(parts.slots.handle[slot])
                         parts.slots.handle[slot] = moved.get(old, old)
+                parts.blobs.relink()
             self.pages_total += switched
             parts.counters.recompressed_pages += switched
             return switched
@@ -363,7 +364,7 @@ class Recompressor:
             for k, slot in enumerate(p.slots):
                 if k:  # the staged reference covers the first slot; the others share it
                     objects.ref(new)
-                slots.handle[slot], slots.sub[slot] = new, sub
+                slots.switch(slot, new, sub)
                 objects.release(p.blob)
                 switched += 1
         made.update(staged)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import tables
+from .shared import SWITCH_HANDLE, SWITCH_ON, SWITCH_SLOT, SWITCH_SUB, SharedTables
 
 EMPTY = 0
 SAME = 1
@@ -37,9 +38,11 @@ class SameWords:
     """The 64-bit words of same-filled slots: id 0 is the zero word (always there), ids
     1..MAX_WORDS-1 are held while some slot uses them (`refs`)."""
 
-    def __init__(self) -> None:
-        self.words = np.zeros(16, dtype=np.uint64)
-        self.refs = np.zeros(16, dtype=np.uint32)
+    def __init__(self, shared: SharedTables) -> None:
+        # the words are what a crash must not lose (store.shared): all MAX_WORDS of them at
+        # once, 32 KiB, so the column never moves; the counts are rebuilt from the slots
+        self.words = shared.zeros("words", MAX_WORDS, np.uint64)
+        self.refs = np.zeros(MAX_WORDS, dtype=np.uint32)
         self._ids: dict[int, int] = {}
         self._free: list[int] = []
         self._next = 1
@@ -81,10 +84,6 @@ class SameWords:
         if wid >= MAX_WORDS:
             raise AssertionError("same-fill word table full (refused() not asked)")
         self._next += 1
-        if wid >= len(self.words):
-            size = min(MAX_WORDS, 2 * len(self.words))
-            self.words = np.concatenate([self.words, np.zeros(size - len(self.words), np.uint64)])
-            self.refs = np.concatenate([self.refs, np.zeros(size - len(self.refs), np.uint32)])
         return wid
 
     def drop(self, ids: np.ndarray) -> None:
@@ -107,10 +106,28 @@ class SameWords:
         words, refs = arrays["words"], arrays["word_refs"]
         if len(words) != len(refs) or len(words) > MAX_WORDS:
             raise ValueError("same-fill words and counts disagree")
-        self.words = words.astype(np.uint64)
-        self.refs = refs.astype(np.uint32)
+        self.words[:] = 0
+        self.refs[:] = 0
+        self.words[: len(words)] = words
+        self.refs[: len(refs)] = refs
         self._free = [int(w) for w in arrays["word_free"].tolist()]
         self._next = int(scalars["next"])
+        self._index()
+
+    def recount(self, ids: np.ndarray) -> int:
+        """After a crash (store.recovery): the counts from `ids`, the word ids of every
+        same-filled slot (the words column is as the dead server left it). A word that no
+        slot uses is cleared; returns the number of words kept."""
+        self.refs[:] = np.bincount(ids.astype(np.int64), minlength=MAX_WORDS)[:MAX_WORDS]
+        self.refs[0] = 0
+        self.words[self.refs == 0] = 0
+        held = np.flatnonzero(self.refs)
+        self._next = int(held[-1]) + 1 if len(held) else 1
+        self._free = [w for w in range(1, self._next) if not self.refs[w]]
+        self._index()
+        return len(held)
+
+    def _index(self) -> None:
         held = (np.flatnonzero(self.refs[1:]) + 1).tolist()
         self._ids = {int(self.words[w]): w for w in held}
 
@@ -126,13 +143,16 @@ class SameWords:
 
 
 class SlotTable:
-    def __init__(self, nslots: int) -> None:
+    def __init__(self, nslots: int, shared: SharedTables) -> None:
         self.nslots = nslots
-        self.kind = tables.zeros(nslots, np.uint8)
-        self.handle = tables.zeros(nslots, np.uint32)  # blob id, or same-fill word id
-        self.sub = tables.zeros(nslots, np.uint8)  # page within a multi-page blob
+        # what a page is: in memory that outlives the process (store.shared)
+        self.kind = shared.zeros("slot_kind", nslots, np.uint8)
+        self.handle = shared.zeros("slot_handle", nslots, np.uint32)  # blob or word id
+        self.sub = shared.zeros("slot_sub", nslots, np.uint8)  # page within a multi-page blob
         self.rtime = tables.zeros(nslots, np.uint16)  # last read (low bits), for ping-pong
-        self.words = SameWords()
+        self.words = SameWords(shared)
+        # the slot being switched outside a request, for recovery to finish (store.shared)
+        self.switching = shared.zeros("slot_switch", 4, np.int64)
         self.slot_bytes = sum(a.itemsize for a in (self.kind, self.handle, self.sub, self.rtime))
         nchunks = -(-nslots // CHUNK_SLOTS)
         self.chunk_live = np.zeros(nchunks, dtype=np.int32)  # slots in use per chunk
@@ -203,6 +223,18 @@ class SlotTable:
         self.chunk_written[c0:c1] = 1
         for chunk in range(c0, c1):
             self.recount(chunk)
+
+    def switch(self, slot: int, handle: int, sub: int) -> None:
+        """Point a BLOB slot at another page (`handle`, `sub`) outside a request (the
+        recompressor, a frame split): the two stores are announced first, so a crash
+        between them is finished by recovery instead of leaving the slot on a wrong page.
+        A request's own switches need no announcement: the kernel sends an unanswered
+        request again (FUSE_NOTIFY_RESEND)."""
+        sw = self.switching
+        sw[SWITCH_SLOT], sw[SWITCH_HANDLE], sw[SWITCH_SUB] = slot, handle, sub
+        sw[SWITCH_ON] = 1
+        self.handle[slot], self.sub[slot] = handle, sub
+        sw[SWITCH_ON] = 0
 
     def used(self) -> np.ndarray:
         """Indices of the non-empty slots, reading only chunks in use."""

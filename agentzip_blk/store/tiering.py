@@ -261,8 +261,11 @@ class Tiers:
             disk.writes += len(batch)
             for blob, gen, offset, data in batch:
                 if blobs.ref[blob] > 0 and int(blobs.gen[blob]) == gen and blobs.tier[blob] == POOL:
-                    self.pool.free(int(blobs.arena[blob]), int(blobs.cell[blob]))
-                    blobs.arena[blob], blobs.tier[blob], blobs.disk_off[blob] = -1, DISK, offset
+                    old_arena, old_cell = int(blobs.arena[blob]), int(blobs.cell[blob])
+                    # the offset, then the tier, then the cell's free: at any point of a
+                    # crash the row names a whole copy (store.shared)
+                    blobs.disk_off[blob], blobs.tier[blob], blobs.arena[blob] = offset, DISK, -1
+                    self.pool.free(old_arena, old_cell)
                     moved += 1
                 else:  # freed (perhaps reused) or moved by another round meanwhile
                     disk.free(offset, len(data))
@@ -383,7 +386,7 @@ class Tiers:
             if (new, new_sub) in taken:
                 objects.ref(new)  # a second slot sharing that page
             taken.add((new, new_sub))
-            slots.handle[slot], slots.sub[slot] = new, new_sub
+            slots.switch(slot, new, new_sub)
             objects.release(p.blob)
         return 1
 
@@ -450,8 +453,11 @@ class Tiers:
             except PoolFull:
                 return done
             pool.put(arena, cell, data)
-            pool.free(int(blobs.arena[blob]), int(blobs.cell[blob]))
-            blobs.arena[blob], blobs.cell[blob] = arena, cell
+            old_arena, old_cell = int(blobs.arena[blob]), int(blobs.cell[blob])
+            # the row first, then the old cell's free: a crash in between leaves the row on
+            # a whole copy (a freed cell's first bytes link the free list)
+            blobs.move_cell(blob, arena, cell)
+            pool.free(old_arena, old_cell)
         return len(movers)
 
     def resize_index(self) -> bool:
@@ -506,6 +512,7 @@ class Tiers:
                 hit = np.isin(handles, old)
                 order = np.argsort(old)
                 slots.handle[held[hit]] = new[order][np.searchsorted(old[order], handles[hit])]
+                blobs.relink()
                 moved_total += len(moved)
         with parts.lock:
             blobs.release_tail()

@@ -126,6 +126,10 @@ class DictionaryRegistry:
         self._last_id = 0
         self.unloaded = 0
         self.extra_bytes: Callable[[], int] = lambda: 0  # e.g. the host trainer's samples
+        # told of each dictionary before any writer may take it, and of each one unloaded:
+        # the store keeps them where a crash does not lose them (store.shared)
+        self.on_added: Callable[[LoadedDict], None] = lambda entry: None
+        self.on_unloaded: Callable[[int], None] = lambda dict_id: None
         self._lock = threading.Lock()  # adds/retires may come from the trainer thread
 
     @classmethod
@@ -167,15 +171,31 @@ class DictionaryRegistry:
             free = next((i for i in order if i not in self._by_id), None)
             if free is None:
                 raise CodecError(f"more than {MAX_ID} dictionaries loaded")
-            self._last_id = free
             entry = LoadedDict(free, name, source, bytes(content), dict(info or {}), candidate,
                                kind, frames, self.level, self.page_size, self.frame_pages)
+            self.on_added(entry)  # raises: not added
+            self._last_id = free
             self._by_id[free] = entry
             if candidate:
                 self.candidates = (*self.candidates, entry)
                 if frames:
                     self.frame_candidates = (*self.frame_candidates, entry)
         return entry
+
+    def restore_entries(self, entries: list[tuple]) -> None:
+        """Put dictionaries back under the ids blobs name them by (a store rebuilt after
+        a crash, store.recovery): each (id, name, source, content, info, candidate, kind,
+        frames). An id already registered (the new setting's) is replaced by the old one:
+        the blobs were written with that content."""
+        with self._lock:
+            for dict_id, name, source, content, info, candidate, kind, frames in entries:
+                entry = LoadedDict(dict_id, name, source, bytes(content), dict(info or {}),
+                                   candidate, kind, frames, self.level, self.page_size,
+                                   self.frame_pages)
+                self._by_id[dict_id] = entry
+                self._last_id = max(self._last_id, dict_id)
+            self.candidates = tuple(e for e in self._by_id.values() if e.candidate)
+            self.frame_candidates = tuple(e for e in self.candidates if e.frames)
 
     def retire(self, dict_id: int) -> None:
         """No new writes use it; it stays loaded while blobs refer to it."""
@@ -199,6 +219,7 @@ class DictionaryRegistry:
             for dict_id, entry in list(self._by_id.items()):
                 if not entry.candidate and counts[dict_id] == 0:
                     del self._by_id[dict_id]
+                    self.on_unloaded(dict_id)
                     gone.append(dict_id)
             self.unloaded += len(gone)
         return gone
