@@ -51,6 +51,7 @@ def _ours(st: dict) -> dict:
         "file": mnt.get("file"), "mounted": {True: "yes", False: "no"}.get(mnt.get("mounted")),
         "nbdfuse": fz.get("pid"), "plugin": srv.get("plugin"), "run_dir": st["run_dir"],
         "version": srv.get("version"), "restarts": srv.get("restarts"),
+        "recoveries": srv.get("recoveries"),
         "started": (time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(srv["started"]))
                     if isinstance(srv.get("started"), (int, float)) else None),
     }
@@ -87,6 +88,8 @@ STATUS = Table([
     Column("STARTED", "when the server started (local time)", key("started"), default=False),
     Column("RESTARTS", "restarts without swapoff the device's store went through "
            "(agentzip-blk restart)", key("restarts"), INT, default=False),
+    Column("RECOVERIES", "servers the holder started again after a crash, from the dead "
+           "one's memory", key("recoveries"), INT, default=False),
 ])
 
 EXAMPLES = f"""\

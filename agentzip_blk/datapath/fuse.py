@@ -46,8 +46,8 @@ import logging
 import os
 import select
 import stat
-import sys
 import struct
+import sys
 import threading
 import time
 from dataclasses import dataclass, field

@@ -261,6 +261,10 @@ def stats_metrics(st: dict) -> Iterator[Metric]:
         yield CounterMetricFamily(_n("server_restarts"), "Restarts of the server that kept "
                                   "its store (agentzip-blk restart).",
                                   value=float(srv["restarts"]))
+    if "recoveries" in srv:  # a server started again by the holder after a crash
+        yield CounterMetricFamily(_n("server_recoveries"), "Servers started again after a "
+                                  "crash of the last one, from its memory (host.holder).",
+                                  value=float(srv["recoveries"]))
 
 
 def _number(v: object) -> float:

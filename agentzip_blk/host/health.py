@@ -79,6 +79,7 @@ def status(run_dir: str | None = None, *, config=None,
             if out["health"]["nbdkit"].get("started") is not None:
                 out["server"]["started"] = out["health"]["nbdkit"]["started"]
             out["server"]["restarts"] = out["health"]["nbdkit"].get("restarts")
+            out["server"]["recoveries"] = out["health"]["nbdkit"].get("recoveries")
             if out["health"]["nbdkit"].get("responsive") and running != __version__:
                 warnings.append(version_warning(running, out["server"]["started"]))
         out["server"]["oom_protected"] = state.oom_protected
@@ -150,6 +151,9 @@ def health(state: RunState, timeout: float = HEALTH_TIMEOUT) -> dict:
                 srv["started"] = reply.get("started")
                 # handovers without swapoff this store went through (agentzip-blk restart)
                 srv["restarts"] = reply.get("restarts")
+                srv["recoveries"] = reply.get("recoveries")
+                srv["holder"] = reply.get("holder")
+                srv["last_repair"] = reply.get("last_repair")
                 srv["memory_locked"] = reply.get("memory_locked")  # None: an older server
                 srv["memory_lock_error"] = reply.get("memory_lock_error")
             except control.ControlError as exc:

@@ -38,7 +38,14 @@ from ..errors import StoreError
 from . import integrity
 from .blobs import DISK, MOVE_ARENA, MOVE_BLOB, MOVE_CELL, MOVE_ON, NEXT_UNUSED, POOL
 from .disk import TIER_HEADER, DiskTier
-from .shared import SWITCH_HANDLE, SWITCH_ON, SWITCH_SLOT, SWITCH_SUB, map_column, read_bytes
+from .shared import (
+    SWITCH_HANDLE,
+    SWITCH_ON,
+    SWITCH_SLOT,
+    SWITCH_SUB,
+    map_column,
+    read_bytes,
+)
 from .slots import BLOB, CHUNK_SLOTS, EMPTY, MAX_WORDS, SAME
 
 PageStore = Any  # the facade imports this module; this one names its type only

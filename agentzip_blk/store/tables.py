@@ -34,26 +34,6 @@ def zeros(shape: int | tuple[int, ...], dtype) -> np.ndarray:
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_MADV_DONTNEED = 4
-
-
-def release_from(array: np.ndarray, first: int) -> int:
-    """Give the kernel back the whole pages of `array` from element (row) `first` on: they
-    read as zeros afterwards. Only tables from `zeros` with a mapping of their own (a
-    malloc'd array shares its pages); returns the bytes released."""
-    if array.nbytes < _SMALL or not array.flags.c_contiguous:
-        return 0
-    row = array.nbytes // len(array) if len(array) else 0
-    start = array.ctypes.data + first * row
-    start += -start % _PAGE
-    end = array.ctypes.data + array.nbytes
-    end -= end % _PAGE
-    if end <= start:
-        return 0
-    if _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED):
-        return 0  # cannot: the pages stay (counted as they are)
-    return end - start
 
 
 def resident_bytes(address: int, length: int) -> int:

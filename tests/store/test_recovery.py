@@ -172,6 +172,7 @@ def test_what_a_kill_between_two_stores_leaves_is_repaired(crashed_in_pool):
         assert repair.slots_emptied >= 1
         assert store.slots.kind[inflight] == EMPTY
         assert store.blobs.ref[staged] == 0
+        assert repair.rows_freed >= 1  # the staged row, named by no slot
         store.check()
         # every slot but the one in flight reads what was written
         model[inflight * PAGE:(inflight + 1) * PAGE] = bytes(PAGE)
