@@ -6,6 +6,7 @@ so that `status` and `down` work from any shell::
     RUN/control.sock    the plugin's JSON control socket
     RUN/nbdkit.{pid,log}, RUN/nbdfuse.{pid,log}
     RUN/mnt/nbd         the nbdfuse file that backs the loop device
+    RUN/holder.{sock,pid,log}  the holder of the server's descriptors (host.holder)
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ class RunState:
     frontend: str = "nbdfuse"
     nbdkit_pid: int | None = None
     nbdfuse_pid: int | None = None
+    # the FUSE door's holder of the server's descriptors (host.holder); None: none runs
+    holder_pid: int | None = None
+    recoveries: int = 0             # servers the holder started after a crash
     mountpoint: str | None = None
     fuse_file: str | None = None
     loop_device: str | None = None
@@ -178,18 +182,26 @@ def _is_dev(path, kind: str) -> bool:
 
 
 @contextlib.contextmanager
-def locked(run_dir: str, group_gid: int | None = None, *, keep_group: bool = True) -> Iterator[None]:
+def locked(run_dir: str, group_gid: int | None = None, *, keep_group: bool = True,
+           wait: float = 0.0) -> Iterator[None]:
     """Serialise up/down on one run directory, after making it root's alone (rundir):
-    ``up`` passes ``keep_group=False`` and the control group, so the mode is exact."""
+    ``up`` passes ``keep_group=False`` and the control group, so the mode is exact.
+    ``wait``: seconds to wait for a holder of the lock (the holder's record of a recovery);
+    the commands refuse at once."""
     secure_run_dir(run_dir, group_gid, keep_group=keep_group)
     fd = os.open(os.path.join(run_dir, "lock"),
                  os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise SetupError(f"another agentzip-blk up/down is running on {run_dir}: "
-                             f"wait for it to finish") from None
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise SetupError(f"another agentzip-blk up/down is running on {run_dir}: "
+                                     f"wait for it to finish") from None
+                time.sleep(0.05)
         yield
     finally:
         os.close(fd)
