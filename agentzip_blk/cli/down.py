@@ -103,9 +103,11 @@ def cmd_down(args) -> int:
         print(f"{PROG}: warning: disk tier file left in place: {res['tier_left']}",
               file=sys.stderr)
     if "orphans" in res:  # --force without a state file (attach._sweep_orphans)
+        held = res.get("holder_stopped")
         print(f"no state.json in {res['run_dir']}; detached "
               f"{res['device'] or 'no loop device'} over its FUSE file"
-              f"{'; the server on its control socket stopped' if res['server_stopped'] else ''}")
+              f"{'; the server on its control socket stopped' if res['server_stopped'] else ''}"
+              + (f"; its holder (pid {held}) stopped" if held else ""))
         return 0
     print(f"{res['device'] or 'device'}: detached, {fmt(res['swapped_in'])} swapped back in "
           f"({res['seconds']:.1f}s); server stopped")

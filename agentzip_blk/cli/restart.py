@@ -4,6 +4,7 @@ running one's FUSE connection and store (host.restart): no swapoff, no page move
 from __future__ import annotations
 
 import argparse
+import sys
 
 from ..host import facts, restart
 from ._common import PROG, config_of, run_dir_of
@@ -23,4 +24,7 @@ def cmd_restart(args) -> int:
     print(f"restarted: server pid {res.old_pid} -> {res.new_pid}, every page kept; requests "
           f"paused {res.paused_ms:.0f} ms ({res.seconds:.1f}s in all; restart {res.restarts} "
           f"of this store); run dir {run_dir}")
+    if res.holder_problem:
+        print(f"{PROG}: warning: {res.holder_problem}: a crash of the new server would not be "
+              f"recovered", file=sys.stderr)
     return 0

@@ -20,7 +20,7 @@ from .. import procfs
 from ..config.quantities import format_bytes
 from ..datapath import control
 from ..errors import DeviceError, SetupError
-from . import facts
+from . import facts, holder
 from .chain import (
     check_up_preconditions,
     foreign_device,
@@ -235,6 +235,10 @@ def _sweep_orphans(run_dir: str, timeout: float, config=None) -> dict | None:
     without one, the tier the operator's config names is removed if it is a leftover
     (host.tierfile). None when there was nothing of ours."""
     t0 = time.monotonic()
+    # the holder first: it would start again a server that the sweep's swapoff gives up
+    held = holder.pid_of(run_dir)
+    if held is not None:
+        holder.stop(held, run_dir, 0.0)
     used = sum(a.used for loop in stray_loops(run_dir) if (a := procfs.swap_area(loop)))
     loops = sweep(run_dir, timeout)
     sock = os.path.join(run_dir, "control.sock")
@@ -245,19 +249,20 @@ def _sweep_orphans(run_dir: str, timeout: float, config=None) -> dict | None:
             stopped = True
         except control.ControlError:
             pass
-    if not loops and not stopped:
+    if not loops and not stopped and held is None:
         return None
     path = config.pool.swap_out_path if config is not None else None
     left = remove_leftover(TierFile(path)) if path and not stopped else None
     return {"run_dir": run_dir, "device": ", ".join(loops) or None, "swapped_in": used,
             "seconds": round(time.monotonic() - t0, 3), "cgroups": "", "server_lost": False,
-            "orphans": loops, "server_stopped": stopped,
+            "orphans": loops, "server_stopped": stopped, "holder_stopped": held,
             "tier_left": f"{path}: {left}" if left else None}
 
 
 def _unwedge(state: RunState) -> bool:
     """`down --force` on a chain that does not answer. A stopped process may only be paused:
-    SIGCONT and ask again. Otherwise kill what is left of the chain, so that every pending
+    SIGCONT and ask again. Otherwise kill what is left of the chain, the holder first (it
+    keeps the FUSE connection open, and would start the server again), so that every pending
     and later read fails at once (a FUSE connection aborts when its daemon is gone), and
     swapoff ends instead of waiting for ever: the kernel marks the pages it cannot read
     as poisoned, and whoever touches one gets SIGBUS. True when the chain was given up."""
@@ -273,6 +278,8 @@ def _unwedge(state: RunState) -> bool:
                 resumed = True
     if resumed and health(state)["ok"]:
         return False
+    if state.holder_pid:  # first: it would start again the server killed below
+        holder.stop(state.holder_pid, state.run_dir, 0.0)
     for pid, exe, must in chain:
         if ours_alive(pid, exe, must):
             with contextlib.suppress(ProcessLookupError):

@@ -1,6 +1,6 @@
 """The attach chain, step by step: nbdkit (the server) -> a block device -> mkswap + swapon;
 and its teardown in the safe order (swapoff, ``losetup -d`` / ``nbd-client -d``,
-``fusermount3 -u``, stop the server). Nothing here stops the server while /proc/swaps lists
+``fusermount3 -u``, stop the server, then the holder of its descriptors, host.holder). Nothing here stops the server while /proc/swaps lists
 our device.
 
 The block device is one of three front ends (``device.frontend``, resolve_frontend):
@@ -27,7 +27,7 @@ import time
 from .. import procfs
 from ..datapath import control
 from ..errors import DeviceError, SetupError
-from . import facts, procs, swapunit
+from . import facts, holder, procs, swapunit
 from .procs import (
     STOPPED_STATES,
     ours_alive,
@@ -269,6 +269,7 @@ def liveness(state: RunState) -> dict:
     return {
         "nbdkit": ours_alive(state.nbdkit_pid, state.tool("nbdkit"), state.nbd_socket),
         "nbdfuse": ours_alive(state.nbdfuse_pid, state.tool("nbdfuse"), state.fuse_file),
+        "holder": holder.is_holder(state.holder_pid, state.run_dir),
         "swap": procfs.swap_area(state.device) is not None,
     }
 
@@ -288,6 +289,8 @@ def stop_server(state: RunState, timeout: float) -> None:
         else:
             if wait_gone(pid, timeout):
                 return
+    if state.holder_pid:  # first: it would start again the server killed below
+        holder.stop(state.holder_pid, state.run_dir, 0.0)
     stop_process(pid, state.tool("nbdkit"), state.nbd_socket, timeout, "nbdkit")
 
 
@@ -374,13 +377,21 @@ def teardown(state: RunState, timeout: float = 30.0,
         state.save()
 
     # 4. stop nbdkit -- never while a swap area still points at our device
+    says_bye = False
     if state.nbdkit_pid:
         if procfs.swap_area(state.device) is not None:
             raise DeviceError(f"refusing to stop nbdkit: {state.device} is still in /proc/swaps")
         if loop_is_ours(state):
             raise DeviceError(f"refusing to stop nbdkit: {state.loop_device} is still attached")
+        # a server that stops tells its holder so (bye "shutdown"); a dead one cannot
+        says_bye = ours_alive(state.nbdkit_pid, state.tool("nbdkit"), state.nbd_socket)
         stop_server(state, timeout)
         state.nbdkit_pid = None
+
+    # 5. the holder of the server's descriptors, last: it exits once the server said bye
+    if state.holder_pid:
+        holder.stop(state.holder_pid, state.run_dir, holder.EXIT_WAIT if says_bye else 0.0)
+        state.holder_pid = None
 
     if errors:
         with contextlib.suppress(OSError):
@@ -526,8 +537,31 @@ def step_done(step: str) -> None:
     log.debug("up: %s done", step)
 
 
+def holder_wanted(state: RunState) -> bool:
+    """Whether `up` starts a holder of the server's descriptors (host.holder): the FUSE front
+    door served by our plugin, once the server takes the ``holder=`` key."""
+    if state.frontend != "fuse" or not is_python_plugin(state.plugin):
+        return False
+    from ..datapath.server import PLUGIN_KEYS  # the store's imports: only for `up`
+
+    return "holder" in PLUGIN_KEYS
+
+
+def start_holder(state: RunState, timeout: float) -> list[str]:
+    """The holder, started and recorded before the server that connects to it; the
+    server's plugin keys that name it ([] when `up` starts none)."""
+    if not holder_wanted(state):
+        return []
+    state.holder_pid = holder.start(state.run_dir, timeout)
+    state.save()
+    step_done("holder")
+    return [f"holder={holder.socket_path(state.run_dir)}"]
+
+
 def up_steps(state: RunState, timeout: float) -> None:
     run_dir, tools = state.run_dir, state.tools
+    # 0. the holder of the server's descriptors across a crash (the FUSE door)
+    held = start_holder(state, timeout)
     # 1. nbdkit, detached in its own session, memory locked
     nbdkit = resolve_tool("nbdkit", tools)
     pidfile = os.path.join(run_dir, "nbdkit.pid")
@@ -537,9 +571,10 @@ def up_steps(state: RunState, timeout: float) -> None:
                           mlock=state.mlock, config_sha256=state.config_sha256,
                           nbd_clients=state.frontend != "fuse")
     if state.frontend == "fuse":
-        argv += _fuse_frontend_keys(state)
+        argv += _fuse_frontend_keys(state) + held
     log = os.path.join(run_dir, "nbdkit.log")
-    proc = spawn(argv, log, env=plugin_env())
+    env = plugin_env()
+    proc = spawn(argv, log, env=env)
     state.nbdkit_pid = proc.pid
     state.save()
     ready = [state.nbd_socket] + ([state.control_socket] if state.control_socket else [])
@@ -557,6 +592,8 @@ def up_steps(state: RunState, timeout: float) -> None:
     # best effort: needs CAP_SYS_RESOURCE (missing in some containers)
     state.oom_protected = procs.set_oom_score_adj(proc.pid, -1000)
     state.save()
+    if held:  # after a crash the holder starts the server as up did
+        holder.give_recipe(run_dir, argv, env, timeout)
     step_done("nbdkit")
 
     # 2. block device

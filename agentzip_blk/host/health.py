@@ -8,7 +8,7 @@ import time
 
 from .. import __version__, procfs
 from ..datapath import control
-from . import facts
+from . import facts, holder
 from .chain import is_mounted, loop_dio, loop_is_ours, loop_rotational
 from .procs import STOPPED_STATES, ours_alive
 from .runstate import RunState, resolve_run_dir
@@ -83,6 +83,19 @@ def status(run_dir: str | None = None, *, config=None,
             if out["health"]["nbdkit"].get("responsive") and running != __version__:
                 warnings.append(version_warning(running, out["server"]["started"]))
         out["server"]["oom_protected"] = state.oom_protected
+        # the holder of the server's descriptors (host.holder), whether the server committed
+        # them to it (its health reply), and the crashes it recovered (the server's count,
+        # else state.json's)
+        held = holder.is_holder(state.holder_pid, state.run_dir) if state.holder_pid else None
+        committed = ((out["health"] or {}).get("nbdkit") or {}).get("holder")
+        out["server"]["holder"] = ({"pid": state.holder_pid, "alive": held,
+                                    "committed": committed} if state.holder_pid else None)
+        if out["server"].get("recoveries") is None:
+            out["server"]["recoveries"] = state.recoveries
+        if held is False and (alive or ours is not None):
+            warnings.append(f"the holder of the server's descriptors (pid {state.holder_pid}) "
+                            "is not running: a crash of the server would lose every page; "
+                            "`agentzip-blk down` and `up` start a new one")
         srv = (out["health"] or {}).get("nbdkit") or {}
         if srv.get("memory_locked") is False:
             warnings.append(f"the server's memory is not locked (mlockall: "

@@ -69,7 +69,6 @@ PIDFILE = "holder.pid"
 LOG = "holder.log"
 RECOVER_SOCKET = "recover.sock"  # where a recovering server listens for the offer
 SERVER_LOG = "nbdkit.log"
-FILES = (SOCKET, PIDFILE, RECOVER_SOCKET)  # what a holder killed by `down` leaves
 
 ATTEMPTS = 5  # servers started for one recovery before the holder gives up
 BACKOFF = 1.0  # s after the first failure; doubled after each

@@ -24,7 +24,7 @@ from .. import __version__
 from ..config import ConfigError, load_file
 from ..errors import DeviceError, SetupError
 from ..store.handover import unchangeable
-from . import facts
+from . import facts, holder
 from .chain import server_request, write_effective_config
 from .procs import ours_alive, read_pidfile, set_oom_score_adj, spawn, tail, wait_gone
 from .runstate import RunState, locked
@@ -49,6 +49,9 @@ class Restarted:
     paused_ms: float  # the old server's pause: from its workers' stop to "go"
     seconds: float  # the whole restart, as this command saw it
     restarts: int  # handovers this store has been through
+    # why the holder (host.holder) did not take the new server's recipe: it would not
+    # recover a crash of the new server; None when it took it or there is none
+    holder_problem: str | None = None
 
 
 def restart(config, run_dir: str, *, timeout: float = 120.0) -> Restarted:
@@ -89,14 +92,14 @@ def _handover(state: RunState, config, timeout: float) -> Restarted:
     config_path, digest = write_effective_config(config, run_dir, NEXT_CONFIG)
     # the installed code's plugin (a .deb upgrade may have moved it), or AGENTZIP_PLUGIN
     plugin = default_plugin_path()
-    argv = server_command(plugin, paths[nbd_name], state.control_socket,
-                          paths[NEXT_PIDFILE], config_path, state.size, foreground=True,
-                          nbdkit=state.tool("nbdkit"), config_sha256=digest,
-                          nbd_clients=False)
-    argv += [f"fuse={state.mountpoint}", f"takeover={paths[HANDOVER_SOCKET]}",
-             f"takeover_pid={state.nbdkit_pid}"]
+    # a holder that `up` started keeps the new server's descriptors too
+    held = holder.is_holder(state.holder_pid, run_dir)
+    argv = _server_argv(state, plugin, paths[nbd_name], paths[NEXT_PIDFILE], config_path,
+                        digest, held)
+    argv += [f"takeover={paths[HANDOVER_SOCKET]}", f"takeover_pid={state.nbdkit_pid}"]
     old_pid = state.nbdkit_pid
-    proc = spawn(argv, paths[NEXT_LOG], env=plugin_env())
+    env = plugin_env()
+    proc = spawn(argv, paths[NEXT_LOG], env=env)
     handed = False
     try:
         _wait_for(proc, paths[HANDOVER_SOCKET], timeout, paths[NEXT_LOG])
@@ -130,12 +133,33 @@ def _handover(state: RunState, config, timeout: float) -> Restarted:
     state.version = __version__
     state.oom_protected = set_oom_score_adj(proc.pid, -1000)
     state.save()
+    problem = None
+    if held:  # after a crash the holder starts the new server as it runs now, by these names
+        try:
+            holder.give_recipe(run_dir, _server_argv(
+                state, plugin, state.nbd_socket, os.path.join(run_dir, "nbdkit.pid"),
+                state.config_path, digest, held), env, timeout)
+        except DeviceError as exc:
+            problem = str(exc)
     if not wait_gone(old_pid, min(timeout, 30.0)):
         raise DeviceError(f"the new server (pid {proc.pid}) serves, but the old one (pid "
                           f"{old_pid}) has not exited: see {run_dir}/nbdkit.log.1")
     health = server_request(state, "health", timeout)
     return Restarted(old_pid, proc.pid, float(reply.get("paused_ms", 0.0)),
-                     time.monotonic() - t0, int(health.get("restarts", 0)))
+                     time.monotonic() - t0, int(health.get("restarts", 0)), problem)
+
+
+def _server_argv(state: RunState, plugin: str, nbd_socket: str, pidfile: str,
+                 config_path: str, digest: str, held: bool) -> list[str]:
+    """The server's command line for these files: the new server's while it takes over
+    (with the takeover keys added), and the holder's recipe once it serves."""
+    argv = server_command(plugin, nbd_socket, state.control_socket, pidfile, config_path,
+                          state.size, foreground=True, nbdkit=state.tool("nbdkit"),
+                          config_sha256=digest, nbd_clients=False)
+    argv.append(f"fuse={state.mountpoint}")
+    if held:
+        argv.append(f"holder={holder.socket_path(state.run_dir)}")
+    return argv
 
 
 def _wait_for(proc, path: str, timeout: float, log: str) -> None:
