@@ -166,6 +166,7 @@ class Holder:
         self.recovering: int | None = None  # the pid of the server a recovery started
         self.recovered = False  # that server has committed
         self.lost: Lost | None = None
+        self.abandoned = 0  # servers that said hello and went without a commit
         self.children: list[subprocess.Popen] = []
         self.wake_r, self.wake_w = os.pipe()
         self.listener = listen(self.path)
@@ -244,6 +245,9 @@ class Holder:
             return {"ok": False, "why": str(exc)}
         except OSError as exc:
             return {"ok": False, "why": f"{op}: {exc}"}
+        except Exception as exc:  # a bug must not end the connection: its end means a crash
+            say(f"{op} from pid {conn.peer.pid}: {type(exc).__name__}: {exc}")
+            return {"ok": False, "why": f"{op}: the holder failed: {type(exc).__name__}"}
 
     def op_hello(self, conn: Connection, msg: Message) -> dict:
         pid = msg.body.get("pid")
@@ -358,6 +362,8 @@ class Holder:
             if conn is not self.current:
                 if not conn.committed:
                     conn.staged.close()  # never held: dropped
+                    if conn.pid is not None:
+                        self.abandoned += 1
                 if conn.pidfd is not None:
                     os.close(conn.pidfd)
                 self.cond.notify_all()  # a recovery may wait for this connection to end
@@ -414,9 +420,11 @@ class Holder:
                     told = True
         self.reap()
         with self.cond:
-            if lost.bye == "handover":
+            if lost.bye == "handover":  # unless the next server went without a commit
                 say(f"waiting up to {self.wait:g} s for the next server to commit")
-                self.cond.wait_for(lambda: self.current is not None, timeout=self.wait)
+                before = self.abandoned
+                self.cond.wait_for(lambda: self.current is not None or self.abandoned != before,
+                                   timeout=self.wait)
             if self.current is None and self.pending():
                 say(f"waiting for pid {', '.join(map(str, self.pending()))} to commit or go")
             self.cond.wait_for(lambda: self.current is not None or not self.pending())
@@ -450,6 +458,7 @@ class Holder:
                                        timeout=self.backoff * 2 ** (failures - 1))
                 continue
             self.record(pid)
+            self.recoveries += 1  # after the record: whoever sees the count finds the pid
             return
 
     def recover_once(self, recipe: Recipe) -> int:
@@ -487,7 +496,6 @@ class Holder:
             remove_socket(path)
             with self.cond:
                 self.recovering = None
-        self.recoveries += 1
         return proc.pid
 
     def offer(self, proc: subprocess.Popen, path: str) -> None:
@@ -505,10 +513,17 @@ class Holder:
             fds = [self.held.fds[n] for n in names]
             header = {"recover": True, "meta": self.held.meta, "tables": dict(self.held.tables),
                       "names": names, "recoveries": self.recoveries + 1}
-        try:
-            giver = handover.Giver(path, proc.pid, OFFER_TIMEOUT)
-        except (OSError, handover.HandoverError) as exc:
-            raise RecoveryFailed(f"cannot reach pid {proc.pid} on {path}: {exc}") from None
+        while True:
+            try:
+                giver = handover.Giver(path, proc.pid, OFFER_TIMEOUT)
+                break
+            except ConnectionRefusedError as exc:  # bound, not yet listening
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RecoveryFailed(f"cannot reach pid {proc.pid} on {path}: {exc}") \
+                        from None
+                time.sleep(0.05)
+            except (OSError, handover.HandoverError) as exc:
+                raise RecoveryFailed(f"cannot reach pid {proc.pid} on {path}: {exc}") from None
         try:
             giver.offer(handover.Offer(header, fds))  # ours stay ours until it commits
             giver.verdict()
@@ -521,7 +536,7 @@ class Holder:
     def record(self, pid: int) -> None:
         """The recovered server in state.json, so that status and down find it."""
         oom = set_oom_score_adj(pid, -1000)
-        say(f"recovery {self.recoveries} done: pid {pid} serves")
+        say(f"recovery {self.recoveries + 1} done: pid {pid} serves")
         try:
             with locked(self.run_dir, wait=STATE_LOCK_WAIT):
                 state = RunState.load(self.run_dir)

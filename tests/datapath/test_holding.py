@@ -221,9 +221,7 @@ def test_a_peer_of_another_uid_is_refused(run):
     probe = ("import json, socket, struct\n"
              "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
              "s.settimeout(10)\n"
-             f"s.connect({run.sock!r})\n"
-             "p = b'{\"op\": \"status\"}'\n"
-             "s.sendall(struct.pack('<Q', len(p)) + p)\n"
+             f"s.connect({run.sock!r})\n"  # refused at once: nothing to send
              "n, = struct.unpack('<Q', s.recv(8, socket.MSG_WAITALL))\n"
              "print(s.recv(n, socket.MSG_WAITALL).decode())\n")
     r = subprocess.run(["/usr/bin/python3", "-c", probe], user=65534, group=65534,
@@ -293,7 +291,7 @@ def test_a_failing_server_is_retried_then_given_up(run):
     wait_for(lambda: "recovery failed: `agentzip-blk down --force`" in run.log())
     started = [pid for pid in run.stub_pids() if pid != server.pid]
     assert len(started) == 2, run.log()
-    assert run.log().count("the stub was told to fail") == 2
+    assert run.log().count("the stub was told to fail") == 2, run.log()
     assert not any(STUB in (procfs.process_cmdline(pid) or []) for pid in started)
     status = client.status()  # it keeps everything: the pages are not lost
     assert status["current"] is None and status["held"] == ["pool"]
@@ -311,6 +309,42 @@ def test_after_a_handover_bye_without_a_commit_the_holder_recovers(run):
     wait_for(lambda: client.status()["recoveries"] == 1)
     assert "waiting up to 0.5 s for the next server" in run.log()
     assert json.loads(Path(out).read_text())["contents"] == {"pool": b"handed".hex()}
+    client.close()
+
+
+def test_a_handover_whose_successor_commits_recovers_nothing(run):
+    holder = run.holder("--wait", "30")
+    client = HolderClient(run.sock)
+    client.respawn(*run.recipe(f"out={os.path.join(run.dir, 'recovered.json')}"))
+    server = first_server(run, b"old", mode="handover")
+    server.wait(10)
+    wait_for(lambda: "after bye (handover)" in run.log())  # the old one is gone, not replaced
+    successor = HolderClient(run.sock)
+    successor.hello(os.getpid())
+    fd = memfd("az-successor", b"new")
+    successor.put("pool", fd, {"size": 3})
+    os.close(fd)
+    successor.commit()
+    assert held_memfds(holder.pid) == ["az-successor"]
+    wait_for(lambda: "committed: nothing to recover" in run.log())
+    assert client.status()["recoveries"] == 0
+    successor.bye("shutdown")
+    successor.close()
+    assert holder.wait(10) == 0
+    client.close()
+
+
+def test_a_handover_whose_successor_leaves_without_a_commit_is_recovered(run):
+    run.holder("--wait", "600")  # not waited for: the successor's end says enough
+    client = HolderClient(run.sock)
+    client.respawn(*run.recipe(f"out={os.path.join(run.dir, 'recovered.json')}"))
+    server = first_server(run, b"old", mode="handover")
+    successor = HolderClient(run.sock)
+    successor.hello(os.getpid())
+    server.wait(10)
+    wait_for(lambda: "for the next server to commit" in run.log())
+    successor.close()
+    wait_for(lambda: client.status()["recoveries"] == 1)
     client.close()
 
 
