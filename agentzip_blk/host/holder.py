@@ -638,8 +638,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds for a server to commit after a handover or a recovery's go")
     args = p.parse_args(argv)
     run_dir = os.path.abspath(args.run_dir)
+    os.chdir("/")  # holds no file system busy; what it starts gets absolute paths
     # what it holds is every tenant's memory: locked, never in a core dump, and it must
-    # outlive the `up` that started it
+    # outlive the `up` that started it. (Not PR_SET_IO_FLUSHER: the servers it starts would
+    # inherit it, all their threads, where the server sets it on its request threads only.)
     for what, why in (("mlockall", protect.lock_memory()),
                       ("core dumps", protect.forbid_core_dumps()),
                       ("parent death signal", protect.clear_parent_death_signal())):
