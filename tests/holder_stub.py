@@ -2,13 +2,13 @@
 holder's protocol (datapath.holding) and takes a recovery's offer (datapath.handover) as the
 real server does, and stores no page.
 
-    python holder_stub.py holder=SOCK pids=FILE [mode=M] [content=HEX] [ready=FILE] [out=FILE]
-                          [takeover=PATH takeover_pid=PID]
+    python holder_stub.py holder=SOCK pids=FILE [mode=M] [content=HEX] [tables=N]
+                          [ready=FILE] [out=FILE] [takeover=PATH takeover_pid=PID]
 
 Every stub appends its pid to ``pids`` first (the test kills each by pid at its end).
 
 Without ``takeover``, a first server: a memfd named az-stub holding ``content`` is put as
-"pool" with meta {"size": n}, the server's meta is {"fuse_connection": 7}, then commit and
+"pool" with meta {"size": n}, then ``tables`` more as "table0".. (i + 1 bytes of i), the server's meta is {"fuse_connection": 7}, then commit and
 ``ready`` is written. ``mode``: ``serve`` (default) sleeps until killed; ``handover`` says
 bye "handover" and exits; ``drop`` closes its connection and sleeps on.
 
@@ -49,6 +49,11 @@ def first(keys: dict[str, str]) -> None:
     client.hello(os.getpid())
     client.put("pool", fd, {"size": len(content)})
     os.close(fd)  # the holder has its own
+    for i in range(int(keys.get("tables", 0))):  # as many as a store's columns
+        fd = os.memfd_create(f"az-table{i}")
+        os.write(fd, bytes([i]) * (i + 1))
+        client.put(f"table{i}", fd, {"rows": i + 1})
+        os.close(fd)
     client.meta({"fuse_connection": 7})
     client.commit()
     if "ready" in keys:

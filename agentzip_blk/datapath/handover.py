@@ -39,7 +39,9 @@ __all__ = ["HandoverError", "Offer", "Giver", "Taker", "FORMAT"]
 
 FORMAT = 1  # raise when the header's meaning changes: a taker refuses a newer offer
 MAX_HEADER = 64 << 20
-MAX_FDS = 16
+# the FUSE connection and the store's (a recovery's: every table column on a memfd of its own,
+# two dozen); the kernel's own cap on one SCM_RIGHTS message is 253 (SCM_MAX_FD)
+MAX_FDS = 64
 _LEN = struct.Struct("<Q")
 
 
@@ -160,8 +162,10 @@ class Taker:
         self._unlink()
         conn.settimeout(max(1.0, deadline - time.monotonic()))
         self.conn = conn
-        msg, fds, _flags, _addr = socket.recv_fds(conn, _LEN.size, MAX_FDS)
+        msg, fds, flags, _addr = socket.recv_fds(conn, _LEN.size, MAX_FDS)
         try:
+            if flags & socket.MSG_CTRUNC:  # the kernel closed the ones that did not fit
+                raise HandoverError(f"an offer of more than {MAX_FDS} descriptors")
             if len(msg) < _LEN.size:
                 msg = _read_exact(conn, _LEN.size, msg)
             (n,) = _LEN.unpack(msg)

@@ -239,9 +239,11 @@ def test_the_client_refuses_a_path_that_is_not_a_socket(run):
         HolderClient(path)
 
 
-def first_server(run: Run, content: bytes, mode: str = "serve") -> subprocess.Popen:
+def first_server(run: Run, content: bytes, mode: str = "serve",
+                 tables: int = 0) -> subprocess.Popen:
     ready = os.path.join(run.dir, "first.ready")
-    proc = run.stub(f"content={content.hex()}", f"ready={ready}", f"mode={mode}")
+    proc = run.stub(f"content={content.hex()}", f"ready={ready}", f"mode={mode}",
+                    f"tables={tables}")
     wait_for(lambda: os.path.exists(ready) or proc.poll() is not None)
     assert os.path.exists(ready), "the first stub did not commit"
     return proc
@@ -256,7 +258,7 @@ def save_state(run: Run, pid: int) -> None:
 def test_a_killed_server_is_recovered_with_what_it_held(run):
     holder = run.holder("--wait", "20")
     content = os.urandom(3000)
-    server = first_server(run, content)
+    server = first_server(run, content, tables=24)  # 25 descriptors: as many as a store's
     save_state(run, server.pid)
     out, ready = os.path.join(run.dir, "recovered.json"), os.path.join(run.dir, "rec.ready")
     client = HolderClient(run.sock)
@@ -267,13 +269,17 @@ def test_a_killed_server_is_recovered_with_what_it_held(run):
     wait_for(lambda: client.status()["recoveries"] == 1)
     got = json.loads(Path(out).read_text())
     header = got["header"]
+    names = ["pool"] + [f"table{i}" for i in range(24)]
     assert header == {"format": handover.FORMAT, "recover": True, "recoveries": 1,
-                      "meta": {"fuse_connection": 7}, "names": ["pool"],
-                      "tables": {"pool": {"size": len(content)}}}
-    assert got["contents"] == {"pool": content.hex()}
+                      "meta": {"fuse_connection": 7}, "names": names,
+                      "tables": {"pool": {"size": len(content)},
+                                 **{f"table{i}": {"rows": i + 1} for i in range(24)}}}
+    assert got["contents"] == {"pool": content.hex(),
+                               **{f"table{i}": (bytes([i]) * (i + 1)).hex() for i in range(24)}}
     status = client.status()
-    assert status["current"] == got["pid"] and status["held"] == ["pool"]
-    assert held_memfds(holder.pid) == ["az-stub"]  # the same memfd, held again
+    assert status["current"] == got["pid"] and status["held"] == names
+    # the same memfds, held again (each once: the dead server's set was replaced)
+    assert held_memfds(holder.pid) == sorted(["az-stub"] + [f"az-table{i}" for i in range(24)])
     state = RunState.load(run.dir)
     assert state.nbdkit_pid == got["pid"] and state.recoveries == 1
     assert f"takeover_pid={holder.pid}" in procfs.process_cmdline(got["pid"])
