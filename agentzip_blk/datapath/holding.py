@@ -20,7 +20,9 @@ Requests (``op``):
     commit   {}                 this connection's set becomes the held set; the one held
                                 before (an earlier server's) is closed
     bye      {why}              "shutdown" (down) or "handover" (restart, after "go")
-    respawn  {argv, env}        how to start a server again (the CLI, after up and restart)
+    respawn  {argv, env, sockets}  how to start a server again (the CLI, after up and
+                                restart); sockets: the run directory's that it listens on
+                                and nobody uses, removed before it starts and once it serves
     status   {}                 what is held, for tests and the operator
 
 Before commit a connection's puts are staged; after it they change the held set directly.
@@ -183,8 +185,8 @@ class HolderClient:
     def bye(self, why: str) -> None:
         self.request({"op": "bye", "why": why})
 
-    def respawn(self, argv: list[str], env: dict[str, str]) -> None:
-        self.request({"op": "respawn", "argv": argv, "env": env})
+    def respawn(self, argv: list[str], env: dict[str, str], sockets: list[str] = ()) -> None:
+        self.request({"op": "respawn", "argv": argv, "env": env, "sockets": list(sockets)})
 
     def status(self) -> dict:
         return self.request({"op": "status"})

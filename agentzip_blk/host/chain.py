@@ -593,7 +593,7 @@ def up_steps(state: RunState, timeout: float) -> None:
     state.oom_protected = procs.set_oom_score_adj(proc.pid, -1000)
     state.save()
     if held:  # after a crash the holder starts the server as up did
-        holder.give_recipe(run_dir, argv, env, timeout)
+        holder.give_recipe(run_dir, argv, env, timeout, [state.nbd_socket])
     step_done("nbdkit")
 
     # 2. block device

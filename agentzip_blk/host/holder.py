@@ -129,6 +129,10 @@ class HeldSet:
 class Recipe:
     argv: list[str]
     env: dict[str, str]
+    # sockets in the run directory the server listens on and nobody uses (nbdkit's NBD
+    # socket with the FUSE door): a dead server's would be in the next one's way, and a
+    # live one's goes once it serves, as `up` removes it
+    sockets: list[str] = field(default_factory=list)
 
 
 class Connection:
@@ -341,7 +345,11 @@ class Holder:
         if not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str)
                                               for k, v in env.items())):
             raise Refused("env: an object of strings")
-        self.recipe = Recipe(argv, env)
+        sockets = msg.body.get("sockets", [])
+        if not (isinstance(sockets, list) and all(
+                isinstance(p, str) and os.path.dirname(p) == self.run_dir for p in sockets)):
+            raise Refused(f"sockets: paths in {self.run_dir}")
+        self.recipe = Recipe(argv, env, sockets)
         self.cond.notify_all()
         say(f"respawn recipe from pid {conn.peer.pid}: {' '.join(argv)}")
         return {}
@@ -465,7 +473,8 @@ class Holder:
         """Start a server, offer it what is held, wait for its commit: its pid. Raises
         RecoveryFailed after killing it."""
         path = os.path.join(self.run_dir, RECOVER_SOCKET)
-        remove_socket(path)
+        for stale in (path, *recipe.sockets):  # the dead server's: nbdkit will not bind over
+            remove_socket(stale)
         argv = [a for a in recipe.argv if not a.startswith(("takeover=", "takeover_pid="))]
         argv += [f"takeover={path}", f"takeover_pid={os.getpid()}"]
         try:
@@ -496,6 +505,8 @@ class Holder:
             remove_socket(path)
             with self.cond:
                 self.recovering = None
+        for unused in recipe.sockets:  # it serves: nobody may connect there
+            remove_socket(unused)
         return proc.pid
 
     def offer(self, proc: subprocess.Popen, path: str) -> None:
@@ -696,14 +707,16 @@ def start(run_dir: str, timeout: float) -> int:
     return proc.pid
 
 
-def give_recipe(run_dir: str, argv: list[str], env: dict[str, str], timeout: float) -> None:
+def give_recipe(run_dir: str, argv: list[str], env: dict[str, str], timeout: float,
+                sockets: list[str] = ()) -> None:
     """Tell the holder how to start a server again (never with takeover keys: it adds its
-    own). DeviceError if it does not take it."""
+    own); ``sockets``: those the server listens on that nobody uses (Recipe). DeviceError if
+    it does not take it."""
     argv = [a for a in argv if not a.startswith(("takeover=", "takeover_pid="))]
     try:
         client = HolderClient(socket_path(run_dir), timeout)
         try:
-            client.respawn(argv, env)
+            client.respawn(argv, env, list(sockets))
         finally:
             client.close()
     except HolderError as exc:

@@ -138,7 +138,7 @@ def _handover(state: RunState, config, timeout: float) -> Restarted:
         try:
             holder.give_recipe(run_dir, _server_argv(
                 state, plugin, state.nbd_socket, os.path.join(run_dir, "nbdkit.pid"),
-                state.config_path, digest, held), env, timeout)
+                state.config_path, digest, held), env, timeout, [state.nbd_socket])
         except DeviceError as exc:
             problem = str(exc)
     if not wait_gone(old_pid, min(timeout, 30.0)):

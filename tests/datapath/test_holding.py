@@ -198,6 +198,8 @@ def test_malformed_messages_are_refused_and_the_holder_serves_on(run):
     assert raw(sock, b'{"op": "put", "name": "../x", "meta": {}}', [a])["ok"] is False
     assert raw(sock, b'{"op": "bye", "why": "later"}')["ok"] is False
     assert raw(sock, b'{"op": "respawn", "argv": [], "env": {}}')["ok"] is False
+    assert "sockets: paths in" in raw(sock, b'{"op": "respawn", "argv": ["x"], "env": {}, '
+                                            b'"sockets": ["/etc/passwd"]}')["why"]
     os.close(a)
     os.close(b)
     assert held_memfds(holder.pid) == []  # refused descriptors are not kept
@@ -262,7 +264,10 @@ def test_a_killed_server_is_recovered_with_what_it_held(run):
     save_state(run, server.pid)
     out, ready = os.path.join(run.dir, "recovered.json"), os.path.join(run.dir, "rec.ready")
     client = HolderClient(run.sock)
-    client.respawn(*run.recipe(f"out={out}", f"ready={ready}", "takeover=stale"))
+    stale = os.path.join(run.dir, "nbd.sock")  # a dead nbdkit's, in the new one's way
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.bind(stale)
+    client.respawn(*run.recipe(f"out={out}", f"ready={ready}", "takeover=stale"), [stale])
 
     server.kill()  # SIGKILL: no bye
     server.wait(10)
@@ -284,6 +289,7 @@ def test_a_killed_server_is_recovered_with_what_it_held(run):
     assert state.nbdkit_pid == got["pid"] and state.recoveries == 1
     assert f"takeover_pid={holder.pid}" in procfs.process_cmdline(got["pid"])
     assert "takeover=stale" not in procfs.process_cmdline(got["pid"])
+    assert not os.path.exists(stale)
     client.close()
 
 

@@ -423,9 +423,10 @@ def test_attach_status_detach(chain, run_dir, plugin, frontend, capsys):
             assert st.nbdfuse_locked
             assert procfs.process_locked(st.nbdfuse_pid) > 0
     if st.mode == "fuse" and frontend == "fuse":
-        # no helper process: the loop device backs onto the file nbdkit itself serves
+        # no helper process: the loop device backs onto the file nbdkit itself serves; the
+        # holder of its descriptors (host.holder) keeps them across a crash
         assert st.nbdfuse_pid is None and st.fuse_file == os.path.join(run_dir, "mnt", "device")
-        assert _procs_mentioning(run_dir) == [st.nbdkit_pid]
+        assert sorted(_procs_mentioning(run_dir)) == sorted([st.nbdkit_pid, st.holder_pid])
     assert procs.pid_alive(st.nbdkit_pid)
     with open(f"/proc/{st.nbdkit_pid}/oom_score_adj") as f:
         # best effort: needs CAP_SYS_RESOURCE, which some containers lack
@@ -458,12 +459,13 @@ def test_attach_status_detach(chain, run_dir, plugin, frontend, capsys):
             door = stats["server"]["fuse"]
             assert door["alive"] and door["writes"] > 0 and door["errors"] == 0
 
-    nbdkit_pid, nbdfuse_pid = st.nbdkit_pid, st.nbdfuse_pid
+    nbdkit_pid, nbdfuse_pid, holder_pid = st.nbdkit_pid, st.nbdfuse_pid, st.holder_pid
     res = attach.down(run_dir)
     assert res["device"] == st.device
     assert procfs.swap_area(st.device) is None
     assert not procs.pid_alive(nbdkit_pid)
     assert not nbdfuse_pid or not procs.pid_alive(nbdfuse_pid)
+    assert not holder_pid or not procs.pid_alive(holder_pid)
     assert not os.path.exists(os.path.join(run_dir, "state.json"))
     assert_clean(run_dir)
 

@@ -120,7 +120,7 @@ def test_up_starts_the_holder_and_gives_it_the_recipe(run_dir, monkeypatch):
     assert "takeover" not in open(os.path.join(path, holder.LOG)).read()
 
     out = health.status(path)
-    assert out["server"]["holder"] == {"pid": state.holder_pid, "alive": True}
+    assert out["server"]["holder"] == {"pid": state.holder_pid, "alive": True, "committed": None}
     assert out["server"]["recoveries"] == 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -74,8 +75,11 @@ def test_up_with_the_fuse_door_leaves_no_nbd_socket(tmp_path):
                 pytest.raises(FileNotFoundError):
             s.connect(state["nbd_socket"])  # a unix socket is reached by its path alone
         assert sorted(os.listdir(run_dir)) == sorted(
-            ["config.yaml", "control.sock", "lock", "mnt", "nbdkit.log", "nbdkit.pid",
-             "state.json"]), "something else to connect to in the run directory?"
+            ["config.yaml", "control.sock", "holder.log", "holder.pid", "holder.sock", "lock",
+             "mnt", "nbdkit.log", "nbdkit.pid", "state.json"]), \
+            "something else to connect to in the run directory?"
+        # the holder's socket (host.holder) is root's alone, as control.sock
+        assert stat.S_IMODE(os.lstat(Path(run_dir, "holder.sock")).st_mode) == 0o600
         argv = procfs.process_cmdline(state["nbdkit_pid"])
         assert "deny=all" in argv and not any(a.startswith("allow=") for a in argv), argv
         status = json.loads(az("status", "--json").stdout)

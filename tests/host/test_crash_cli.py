@@ -1,0 +1,103 @@
+"""A crash of the server loses nothing (issue 28, item 3), as the operator meets it: each
+command its own process of the installed CLI, the FUSE front door, a real swap area.
+
+`up`; a workload whose heap is mostly in the device re-reads and checks every byte of it
+from a thread while the server is SIGKILLed, twice (the second time a server the holder had
+started), then `restart`ed and SIGKILLed again (the holder starts the restarted server's
+command line). Each time the holder (host/holder.py) starts a new server from the dead one's
+memory; `status` names it, healthy, with the count of recoveries; `down` stops the server
+and the holder and leaves nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from agentzip_blk import procfs
+from agentzip_blk.host import facts
+from agentzip_blk.host.procs import tail
+from cliswap import HEAP_WORKLOAD, leave_nothing, squeezed_workload, stop_workload
+from host.test_restart_cli import Toucher, cli, status, write_config
+from nbdkit_server import nbdkit_available
+
+MiB = 1 << 20
+
+pytestmark = [
+    pytest.mark.swap,
+    pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"),
+                       reason="needs root and /dev/fuse"),
+    pytest.mark.skipif(nbdkit_available() is not None, reason=nbdkit_available() or ""),
+    pytest.mark.skipif(facts.nbd_kernel_available(), reason="kernel nbd host"),
+]
+
+
+def recovered(cfg: Path, run_dir: str, dead: int, count: int, timeout: float = 120.0) -> dict:
+    """`status` once a server other than ``dead`` serves, healthy, after ``count``
+    recoveries."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = status(cfg)
+        if (st["state"] and st["state"]["nbdkit_pid"] != dead and st["healthy"] is True
+                and st["server"]["recoveries"] == count):
+            return st
+        assert time.monotonic() < deadline, (st, tail(os.path.join(run_dir, "holder.log")),
+                                             tail(os.path.join(run_dir, "nbdkit.log")))
+        time.sleep(0.2)
+
+
+def test_a_killed_server_is_recovered_under_a_faulting_workload(tmp_path):
+    if procfs.swaps():
+        pytest.skip("another swap area is active; this test must own swap")
+    run_dir = tempfile.mkdtemp(prefix="azcr-", dir="/tmp")
+    cfg = tmp_path / "config.yaml"
+    write_config(cfg, run_dir, tmp_path / "disk-tier", level=3)
+    cg = proc = None
+    holder_pid = None
+    try:
+        r = cli("--config", str(cfg), "up")
+        assert r.returncode == 0, r.stderr
+        st = status(cfg)
+        device, pid = st["state"]["device"], st["state"]["nbdkit_pid"]
+        holder_pid = st["state"]["holder_pid"]
+        assert st["server"]["holder"] == {"pid": holder_pid, "alive": True, "committed": True}
+
+        cg, proc = squeezed_workload(f"azt-crash-{os.getpid()}", HEAP_WORKLOAD, ["96"],
+                                     limit=32 * MiB, swapped=48 * MiB)
+        with Toucher(proc) as toucher:
+            for count in (1, 2, 3):
+                if count == 3:  # the holder then starts the restarted server's command
+                    r = cli("--config", str(cfg), "restart")
+                    assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+                    pid = status(cfg)["state"]["nbdkit_pid"]
+                os.kill(pid, signal.SIGKILL)
+                st = recovered(cfg, run_dir, pid, count)
+                assert procfs.process_state(pid) in (None, "Z")
+                pid = st["state"]["nbdkit_pid"]
+                assert st["state"]["holder_pid"] == holder_pid and st["server"]["holder"]["alive"]
+                assert st["state"]["device"] == device and procfs.swap_area(device) is not None
+                time.sleep(0.3)  # let the workload fault through this server
+        assert toucher.results and set(toucher.results) == {"OK"}, toucher.results
+        assert toucher.verify() == "OK"
+        log = Path(run_dir, "holder.log").read_text()
+        assert log.count("done: pid") == 3, log
+
+        stop_workload(proc, cg)
+        proc = cg = None
+        r = cli("--config", str(cfg), "down")
+        assert r.returncode == 0, r.stderr
+        assert not os.path.exists(os.path.join(run_dir, "holder.sock"))
+        assert "stopped on purpose" in Path(run_dir, "holder.log").read_text()
+    finally:
+        stop_workload(proc, cg)
+        left = leave_nothing(run_dir)
+        if holder_pid and procfs.process_state(holder_pid) not in (None, "Z"):
+            os.kill(holder_pid, signal.SIGKILL)  # only if down did not stop it: a failure
+            pytest.fail(f"the holder (pid {holder_pid}) outlived down")
+    assert left == []
+    assert [a for a in procfs.swaps() if "loop" in a.filename] == []
