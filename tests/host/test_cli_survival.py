@@ -222,15 +222,22 @@ def test_polite_signals_are_refused_during_swap_traffic(operator, frontend):
     verify(wl)
 
 
-def test_sigkill_fails_health_and_down_force_cleans_up(operator):
+def test_sigkill_without_the_holder_fails_health_and_down_force_cleans_up(operator):
+    """The holder recovers a SIGKILLed server (tests/host/test_crash_cli.py); without it
+    (killed first: as a chain without one, nbdfuse's or an older `up`'s) the pages are lost,
+    `status` and `doctor` say so at once, and `down --force` cleans up."""
     op = operator()
     op.run("up")
     nbdkit_pid, _ = op.pids()
+    holder_pid = op.status()[1]["state"].get("holder_pid")
     wl = op.workload("kill", mb=160)
     assert op.squeeze(wl) >= 64 * MiB
     lift(wl)
     wl.send("CHECK")
     time.sleep(0.3)
+    if holder_pid:
+        os.kill(holder_pid, signal.SIGKILL)
+        assert procs.wait_gone(holder_pid, 10.0)
     os.kill(nbdkit_pid, signal.SIGKILL)  # the workload is sacrificed
     t0 = time.monotonic()
     code, st = op.status()
