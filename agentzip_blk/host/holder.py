@@ -383,6 +383,8 @@ class Holder:
                 return
             say(f"pid {conn.pid}'s connection ended "
                 + ("after bye (handover)" if conn.bye else "without bye: recovering"))
+            if self.lost is not None and self.lost.pidfd is not None:
+                os.close(self.lost.pidfd)  # not taken up yet, and superseded by this one
             self.lost = Lost(conn.pid, conn.pidfd, conn.bye)
             self.cond.notify_all()
 
