@@ -40,8 +40,9 @@ __all__ = ["HandoverError", "Offer", "Giver", "Taker", "FORMAT"]
 FORMAT = 1  # raise when the header's meaning changes: a taker refuses a newer offer
 MAX_HEADER = 64 << 20
 # the FUSE connection and the store's (a recovery's: every table column on a memfd of its own,
-# two dozen); the kernel's own cap on one SCM_RIGHTS message is 253 (SCM_MAX_FD)
-MAX_FDS = 64
+# two dozen, and one per dictionary, up to 255 of them in theory, ~5 in practice); the
+# kernel's own cap on one SCM_RIGHTS message is 253 (SCM_MAX_FD)
+MAX_FDS = 250
 _LEN = struct.Struct("<Q")
 
 

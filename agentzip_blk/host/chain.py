@@ -539,12 +539,8 @@ def step_done(step: str) -> None:
 
 def holder_wanted(state: RunState) -> bool:
     """Whether `up` starts a holder of the server's descriptors (host.holder): the FUSE front
-    door served by our plugin, once the server takes the ``holder=`` key."""
-    if state.frontend != "fuse" or not is_python_plugin(state.plugin):
-        return False
-    from ..datapath.server import PLUGIN_KEYS  # the store's imports: only for `up`
-
-    return "holder" in PLUGIN_KEYS
+    door served by our plugin (nbdfuse and nbdkit's own plugins keep no store of ours)."""
+    return state.frontend == "fuse" and is_python_plugin(state.plugin)
 
 
 def start_holder(state: RunState, timeout: float) -> list[str]:

@@ -11,6 +11,7 @@ and the holder and leaves nothing.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import tempfile
@@ -86,6 +87,10 @@ def test_a_killed_server_is_recovered_under_a_faulting_workload(tmp_path):
         assert toucher.verify() == "OK"
         log = Path(run_dir, "holder.log").read_text()
         assert log.count("done: pid") == 3, log
+        stats = json.loads(cli("--config", str(cfg), "stats", "--json").stdout)
+        assert stats["server"]["recoveries"] == 3 and stats["server"]["restarts"] == 1
+        table = cli("--config", str(cfg), "status", "-o", "NAME,RECOVERIES", "--raw", "-n").stdout
+        assert table.split()[-1] == "3", table
 
         stop_workload(proc, cg)
         proc = cg = None
