@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from .control import peer_of
 
-__all__ = ["HandoverError", "Offer", "Giver", "Taker", "FORMAT"]
+__all__ = ["HandoverError", "Offer", "Giver", "Taker", "FORMAT", "read_exact"]
 
 FORMAT = 1  # raise when the header's meaning changes: a taker refuses a newer offer
 MAX_HEADER = 64 << 20
@@ -64,12 +64,15 @@ def _check_peer(conn: socket.socket, pid: int | None) -> None:
         raise HandoverError(f"handover peer pid {peer.pid} is not the expected {pid}")
 
 
-def _read_exact(conn: socket.socket, n: int, first: bytes = b"") -> bytes:
+def read_exact(conn: socket.socket, n: int, first: bytes = b"",
+               error: type[Exception] = HandoverError) -> bytes:
+    """`n` bytes from `conn` (`first`: those read already); `error` when the peer closes
+    first (the holder's protocol reads the same way: datapath.holding)."""
     buf = bytearray(first)
     while len(buf) < n:
         chunk = conn.recv(min(1 << 20, n - len(buf)))
         if not chunk:
-            raise HandoverError("handover peer closed the connection mid-message")
+            raise error("the peer closed the connection mid-message")
         buf += chunk
     return bytes(buf)
 
@@ -168,11 +171,11 @@ class Taker:
             if flags & socket.MSG_CTRUNC:  # the kernel closed the ones that did not fit
                 raise HandoverError(f"an offer of more than {MAX_FDS} descriptors")
             if len(msg) < _LEN.size:
-                msg = _read_exact(conn, _LEN.size, msg)
+                msg = read_exact(conn, _LEN.size, msg)
             (n,) = _LEN.unpack(msg)
             if n > MAX_HEADER:
                 raise HandoverError(f"a handover header of {n} bytes")
-            header = json.loads(_read_exact(conn, n))
+            header = json.loads(read_exact(conn, n))
             if not isinstance(header, dict) or not isinstance(header.get("format"), int):
                 raise HandoverError("a handover header that is not ours")
             if header["format"] > FORMAT:

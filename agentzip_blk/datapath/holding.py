@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .control import peer_of
+from .handover import read_exact
 
 __all__ = ["HolderError", "BadMessage", "Message", "HolderClient", "send_message",
            "recv_message", "MAX_MESSAGE", "MAX_FDS", "BYE"]
@@ -81,16 +82,6 @@ def send_message(conn: socket.socket, body: dict, fds: Sequence[int] = ()) -> No
         conn.sendall(head + data)
 
 
-def read_exact(conn: socket.socket, n: int, first: bytes = b"") -> bytes:
-    buf = bytearray(first)
-    while len(buf) < n:
-        chunk = conn.recv(min(1 << 16, n - len(buf)))
-        if not chunk:
-            raise HolderError("the peer closed the connection mid-message")
-        buf += chunk
-    return bytes(buf)
-
-
 def recv_message(conn: socket.socket) -> Message | None:
     """The next message, or None at a clean end of the stream. HolderError when the stream
     cannot go on (too long, cut short, too many descriptors); BadMessage when it can."""
@@ -100,10 +91,10 @@ def recv_message(conn: socket.socket) -> Message | None:
     try:
         if flags & socket.MSG_CTRUNC:
             raise HolderError(f"more than {MAX_FDS} descriptors in a message")
-        (n,) = LENGTH.unpack(read_exact(conn, LENGTH.size, head))
+        (n,) = LENGTH.unpack(read_exact(conn, LENGTH.size, head, HolderError))
         if n > MAX_MESSAGE:
             raise HolderError(f"a message of {n} bytes: at most {MAX_MESSAGE}")
-        data = read_exact(conn, n)
+        data = read_exact(conn, n, error=HolderError)
         try:
             body = json.loads(data)
         except ValueError:
