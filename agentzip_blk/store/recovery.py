@@ -37,7 +37,7 @@ import numpy as np
 from ..errors import StoreError
 from . import integrity
 from .blobs import DISK, MOVE_ARENA, MOVE_BLOB, MOVE_CELL, MOVE_ON, NEXT_UNUSED, POOL
-from .disk import TIER_HEADER, DiskTier
+from .disk import ALLOC_STEP, SEAL_OVERHEAD, TIER_HEADER, DiskTier
 from .shared import (
     SWITCH_HANDLE,
     SWITCH_ON,
@@ -159,7 +159,7 @@ def recover(cls: type[PageStore], size: int, config, held: Held, *, lock=None,
         path = held.metas.get(DISK_NAME, {}).get("path") or config.pool.swap_out_path
         live_rows = np.unique(handle[kind == BLOB])
         on_disk = live_rows[blob["tier"][live_rows] == DISK]
-        overhead = 28 if key is not None else 0  # disk.SEAL_OVERHEAD when sealed
+        overhead = SEAL_OVERHEAD if key is not None else 0
         extents = _disk_extents(on_disk, blob, overhead)
         kept, dropped = _no_overlap(extents)
         if dropped:
@@ -188,7 +188,7 @@ def recover(cls: type[PageStore], size: int, config, held: Held, *, lock=None,
 
 def _disk_extents(rows: np.ndarray, blob: dict[str, np.ndarray], overhead: int) -> np.ndarray:
     sealed = blob["length"][rows].astype(np.int64) + overhead
-    size = -(-sealed // 64) * 64  # disk.ALLOC_STEP
+    size = -(-sealed // ALLOC_STEP) * ALLOC_STEP
     return np.stack([blob["disk_off"][rows].astype(np.int64), size, rows.astype(np.int64)],
                     axis=1) if len(rows) else np.zeros((0, 3), dtype=np.int64)
 
@@ -271,10 +271,8 @@ def _rebuild(store: PageStore, repair: Repair, kind: np.ndarray, handle: np.ndar
         if int(blob["cell"][row]) >= cls.cells_per_arena:
             bad_rows.add(row)
             continue
-        known = arena_class.setdefault(int(blob["arena"][row]), cls.index)
-        if known != cls.index and not _verifies(store, row, blob):
-            bad_rows.add(row)
-        elif known != cls.index:  # both verify: cannot be; keep the first one's class
+        # one class per arena: a row of another class than the arena's first is not whole
+        if arena_class.setdefault(int(blob["arena"][row]), cls.index) != cls.index:
             bad_rows.add(row)
     if rows:
         blob_slot = kind == BLOB

@@ -196,14 +196,6 @@ class SharedTables:
         with self._lock:
             self._on_new = self._on_drop = None
 
-    def resident_bytes(self) -> int:
-        """Memory the memfds hold (their pages, resident or not: shmem is counted where it
-        is written)."""
-        total = 0
-        for column in self.columns.values():
-            total += os.fstat(column.fd).st_blocks * 512
-        return total
-
     def close(self) -> None:
         """Close every descriptor: the memory goes once no other process holds it."""
         with self._lock:
