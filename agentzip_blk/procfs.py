@@ -142,6 +142,22 @@ def process_cmdline(pid: int) -> list[str]:
     return [a.decode(errors="surrogateescape") for a in raw.split(b"\0") if a]
 
 
+def children(pid: int) -> list[int]:
+    """The children of every thread of ``pid`` (/proc/PID/task/*/children); [] when gone."""
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", encoding="ascii") as f:
+                found += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):
+            continue
+    return sorted(set(found))
+
+
 def process_state(pid: int | None) -> str | None:
     """The state letter of ``pid`` in /proc/PID/stat (R, S, D, T stopped, t traced, Z...),
     None when there is no such process."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -27,6 +28,7 @@ import pytest
 from agentzip_blk import __version__, procfs
 from agentzip_blk.cgroups.fs import LimitBusy, MemoryCgroup
 from agentzip_blk.demo.workload import Workload
+from agentzip_blk.host.procs import tail
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = "agentzip-blk"
@@ -183,6 +185,20 @@ def test_install_up_upgrade_refused_remove_down_remove_purge(machine, tmp_path):
     st = json.loads(az("status", "--json").stdout)
     assert st["state"]["nbdkit_pid"] != old_pid and st["server"]["version"] == V2, st
     assert procfs.swaps()[0].used > 0  # the same swap area, still in use
+
+    # a crash of the new server (issue 28): the holder starts another from its memory, on
+    # the packaged code and paths; every page is checked below, after down
+    dead = st["state"]["nbdkit_pid"]
+    os.kill(dead, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while True:
+        st = json.loads(az("status", "--json").stdout)
+        if (st["state"]["nbdkit_pid"] != dead and st["healthy"] is True
+                and st["server"]["recoveries"] == 1):
+            break
+        assert time.monotonic() < deadline, (st, tail("/run/agentzip/holder.log"))
+        time.sleep(0.5)
+    assert st["server"]["version"] == V2 and procfs.swaps()[0].used > 0, st
 
     # remove refused: one line that says what to run; nothing removed
     r = dpkg("-r", PKG)

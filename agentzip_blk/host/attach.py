@@ -22,6 +22,7 @@ from ..datapath import control
 from ..errors import DeviceError, SetupError
 from . import facts, holder
 from .chain import (
+    abort_fuse,
     check_up_preconditions,
     foreign_device,
     liveness,
@@ -278,13 +279,25 @@ def _unwedge(state: RunState) -> bool:
                 resumed = True
     if resumed and health(state)["ok"]:
         return False
-    if state.holder_pid:  # first: it would start again the server killed below
+    started: list[int] = []  # servers the holder started for a recovery: the state may not
+    if state.holder_pid:  # name them. First: it would start again the server killed below
+        if holder.is_holder(state.holder_pid, state.run_dir):
+            started = procfs.children(state.holder_pid)
         holder.stop(state.holder_pid, state.run_dir, 0.0)
+    for pid in started:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     for pid, exe, must in chain:
         if ours_alive(pid, exe, must):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             wait_gone(pid, 10.0)
+    # A server SIGKILL cannot end (D state: a recovering one waiting for a page under
+    # writeback to this very device) keeps the FUSE connection open, and swapoff would wait
+    # on it for ever: abort the connection, and it ends.
+    abort_fuse(state.mountpoint)
+    for pid in started:
+        wait_gone(pid, 10.0)
     return True
 
 

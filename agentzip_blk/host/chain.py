@@ -113,20 +113,52 @@ def resolve_tool(name: str, tools: dict) -> str:
 
 
 def is_mounted(path: str | None) -> bool:
-    if not path:
-        return False
-    # Resolve the parent only: a stat of the mount point itself asks its FUSE server, and a
-    # server that is stopped (SIGSTOP) never answers.
+    return bool(path) and mount_minor(path) is not None
+
+
+FUSECTL = "/sys/fs/fuse/connections"
+
+
+def mount_minor(path: str) -> int | None:
+    """The minor device number of the mount at ``path`` (a FUSE mount's connection number
+    in fusectl), or None when nothing is mounted there. Read from mountinfo only: a stat of
+    the mount point would ask its FUSE server, which may never answer."""
     real = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo", encoding="utf-8",
+                                            errors="surrogateescape") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) > 4 and procfs.unescape(parts[4]) == real:
+                return int(parts[2].split(":")[1])
+    return None
+
+
+def abort_fuse(mountpoint: str | None, timeout: float = 10.0) -> bool:
+    """Abort the FUSE connection of ``mountpoint`` through fusectl: every request waiting on
+    it, and every later one, fails at once. The last resort of `down --force` for a server
+    that SIGKILL cannot end: one in D state, waiting for a page under writeback to the very
+    device it serves (docs/ARCHITECTURE.md, "Recovery from a crash"). The pages in flight
+    are lost. True when the abort was written."""
+    minor = mount_minor(mountpoint) if mountpoint else None
+    if minor is None:
+        return False
+    mounted_here = False
+    if not is_mounted(FUSECTL):
+        with contextlib.suppress(DeviceError):
+            run_tool(["mount", "-t", "fusectl", "none", FUSECTL], timeout=timeout,
+                     what="mount -t fusectl")
+            mounted_here = True
     try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) > 4 and procfs.unescape(parts[4]) == real:
-                    return True
-    except OSError:
-        pass
-    return False
+        with open(os.path.join(FUSECTL, str(minor), "abort"), "w") as f:
+            f.write("1")
+        return True
+    except OSError as exc:
+        log.warning("cannot abort the FUSE connection of %s: %s", mountpoint, exc)
+        return False
+    finally:
+        if mounted_here:
+            with contextlib.suppress(DeviceError):
+                run_tool(["umount", FUSECTL], timeout=timeout, what="umount fusectl")
 
 
 def loop_name(dev: str | None) -> str | None:

@@ -58,6 +58,7 @@ from ..datapath.holding import (
     send_message,
 )
 from ..errors import DeviceError, SetupError
+from . import pinning
 from .procs import pid_alive, read_pidfile, set_oom_score_adj, spawn, tail, wait_gone
 from .rundir import open_private, secure_run_dir
 from .runstate import RunState, locked
@@ -92,6 +93,10 @@ class Refused(Exception):
 
 class RecoveryFailed(Exception):
     """One recovering server did not take over; it has been killed."""
+
+
+class ServerStuck(RecoveryFailed):
+    """A recovering server failed and did not exit after SIGKILL (D state)."""
 
 
 def json_size(value: object) -> int:
@@ -172,6 +177,9 @@ class Holder:
         self.lost: Lost | None = None
         self.abandoned = 0  # servers that said hello and went without a commit
         self.children: list[subprocess.Popen] = []
+        self.repin = False  # pin the held memfds now, not at the next period
+        self.pinned: pinning.Refresh | None = None  # the last refresh
+        self.pin_refreshes = 0
         self.wake_r, self.wake_w = os.pipe()
         self.listener = listen(self.path)
         with open_private(self.pidfile) as f:
@@ -181,6 +189,7 @@ class Holder:
 
     def run(self) -> int:
         threading.Thread(target=self.recovery_loop, name="recovery", daemon=True).start()
+        threading.Thread(target=self.pin_loop, name="pins", daemon=True).start()
         say(f"listening on {self.path}")
         while True:
             ready, _, _ = select.select([self.listener, self.wake_r], [], [])
@@ -322,6 +331,7 @@ class Holder:
         self.current, conn.committed = conn, True
         if conn.pid == self.recovering:
             self.recovered = True
+        self.repin = True
         self.cond.notify_all()
         say(f"pid {conn.pid} committed {', '.join(held.fds) or 'nothing'}"
             + (f" (pid {before.pid}'s set closed)" if before is not None else ""))
@@ -359,6 +369,9 @@ class Holder:
                 "held": list(self.held.fds), "tables": self.held.tables,
                 "recoveries": self.recoveries, "recovering": self.recovering,
                 "recipe": self.recipe is not None,
+                "pinned_bytes": self.pinned.bytes if self.pinned else 0,
+                "pin_errors": self.pinned.errors if self.pinned else [],
+                "pin_refreshes": self.pin_refreshes,
                 "connections": sorted(c.peer.pid for c in self.connections)}
 
     # -- a connection ends ------------------------------------------------------------------
@@ -386,6 +399,7 @@ class Holder:
             if self.lost is not None and self.lost.pidfd is not None:
                 os.close(self.lost.pidfd)  # not taken up yet, and superseded by this one
             self.lost = Lost(conn.pid, conn.pidfd, conn.bye)
+            self.repin = True  # its locks went with it: ours must cover its last pages now
             self.cond.notify_all()
 
     def finish(self) -> None:
@@ -401,6 +415,27 @@ class Holder:
         """Pids of servers that said hello and have not committed: a restart's new server,
         perhaps, still taking over; nothing is recovered while one may serve."""
         return [c.pid for c in self.connections if c.pid is not None and not c.committed]
+
+    # -- pins: the held memory stays in memory when no server locks it ------------------
+
+    def pin_loop(self) -> None:
+        pins = pinning.Pins()
+        said: list[str] = []
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.repin, timeout=pinning.PERIOD)
+                self.repin = False
+                try:  # the set cannot change meanwhile: its descriptors stay open
+                    work, done = pins.plan(list(self.held.fds.values()))
+                except Exception as exc:  # never die of it: the next period tries again
+                    work, done = [], pinning.Refresh(errors=[f"{type(exc).__name__}: {exc}"])
+            pins.populate(work, done)
+            if done.errors != said:
+                say("pins: " + ("; ".join(done.errors) if done.errors else "pinned again"))
+                said = done.errors or []
+            with self.cond:
+                self.pinned = done
+                self.pin_refreshes += 1
 
     # -- recovery -------------------------------------------------------------------------
 
@@ -456,6 +491,11 @@ class Holder:
                 recipe = self.recipe
             try:
                 pid = self.recover_once(recipe)
+            except ServerStuck as exc:
+                # a server SIGKILL cannot end may still touch the store: never a second one
+                say(f"recovery stopped: {exc}: `agentzip-blk down --force` aborts the FUSE "
+                    "connection it waits on")
+                return
             except RecoveryFailed as exc:
                 failures += 1
                 say(f"recovery attempt {failures} of {self.attempts} failed: {exc}")
@@ -499,6 +539,13 @@ class Holder:
                         raise RecoveryFailed(f"pid {proc.pid} did not commit within "
                                              f"{self.wait:g} s of go")
                     self.cond.wait(0.2)
+        except RecoveryFailed as exc:
+            kill(proc)
+            if proc.poll() is None:  # kept: down --force finds it among our children
+                raise ServerStuck(f"{exc}; and pid {proc.pid} did not exit after SIGKILL "
+                                  f"(state {procfs.process_state(proc.pid)})") from None
+            self.children.remove(proc)
+            raise
         except BaseException:
             kill(proc)
             self.children.remove(proc)

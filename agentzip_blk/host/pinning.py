@@ -1,0 +1,209 @@
+"""The holder's pins on the store's memory (docs/ARCHITECTURE.md, "Recovery from a crash").
+
+While a server runs, its mlockall(MCL_ONFAULT) keeps every page of the store it touched in
+memory. When it dies, its mappings go and so do its locks: the pages of the pool and of the
+books are then ordinary shmem pages, and reclaim may write them to swap, to our own device
+among others. Such a write waits in the FUSE queue for a server, the page stays under
+writeback, and the recovering server's first touch of it waits for that writeback: a
+deadlock only an abort of the FUSE connection ends (seen on the .deb path).
+
+So the holder maps every memfd it holds into a mapping locked on fault (its own
+mlockall(MCL_FUTURE | MCL_ONFAULT), and mlock2(MLOCK_ONFAULT) besides, for a holder run
+without it) and faults in the pages that are in memory and not yet mapped there (mincore and
+/proc/self/pagemap): never a hole, which a read fault of shmem would fill with a new page,
+and never a page in swap, whose swap-in could wait like the server's. Its lock then keeps
+the page whoever else maps it or not. It does so every PERIOD while the server runs (the
+server writes new pages; its own lock covers them meanwhile) and at once when it dies. A
+memfd the holder no longer holds is unmapped, so that its memory can go.
+
+What it costs: the holder's page tables (2 MiB per GiB pinned) and, per refresh, a look at
+mincore and pagemap over the mappings (BENCHMARKS.md, "The holder's pins").
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+PAGE = 4096
+PERIOD = 5.0  # s between two refreshes while the server runs: 45-50 ms a GiB of pool each
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.mlock2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_PROT_READ = 0x1
+_MAP_SHARED = 0x01
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_MADV_DONTDUMP = 16
+_MADV_POPULATE_READ = 22  # Linux 5.14
+_MLOCK_ONFAULT = 1
+
+
+@dataclass
+class Pin:
+    """One memfd mapped by the holder: (st_dev, st_ino) names it, whatever its descriptor."""
+    address: int
+    length: int
+
+
+@dataclass
+class Refresh:
+    """What one refresh did: memfds pinned, the bytes of their data ranges, failures."""
+    memfds: int = 0
+    bytes: int = 0  # in memory (neither holes nor swapped out): pinned
+    faulted: int = 0  # of which not yet mapped here: faulted in by this refresh
+    unmapped: int = 0
+    errors: list[str] | None = None
+
+
+def is_memfd(fd: int) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+    except OSError:
+        return False
+
+
+_MAPPED = bytes(b >> 7 for b in range(256))  # pagemap: bit 63, the top byte's top bit
+_RESIDENT = bytes(b & 1 for b in range(256))  # mincore: bit 0
+_CHUNK = 1 << 15  # pages looked at per call: 128 MiB of address space
+
+
+def to_fault(pagemap: int, address: int, length: int) -> tuple[list[tuple[int, int]], int]:
+    """The runs [start, end) (offsets from ``address``) of pages that are in memory (mincore:
+    data, neither a hole nor swapped out) and not yet mapped in our page tables (pagemap bit
+    63), and the count of pages in memory. Faulting in only these keeps a refresh cheap (a
+    page already mapped costs as much to fault again as the walk that finds it) and never
+    waits for a swap-in."""
+    pages = length // PAGE
+    vec = (ctypes.c_ubyte * min(pages, _CHUNK))()
+    runs: list[tuple[int, int]] = []
+    resident_pages = 0
+    for first in range(0, pages, _CHUNK):
+        n = min(_CHUNK, pages - first)
+        if _libc.mincore(address + first * PAGE, n * PAGE, vec) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mincore: {os.strerror(err)}")
+        resident = bytes(vec)[:n].translate(_RESIDENT)
+        resident_pages += resident.count(1)
+        raw = os.pread(pagemap, n * 8, (address // PAGE + first) * 8)
+        mapped = raw[7::8].translate(_MAPPED)  # the top byte of each little-endian entry
+        want = (int.from_bytes(resident, "big") & ~int.from_bytes(mapped, "big")).to_bytes(n, "big")
+        i = 0
+        while (j := want.find(1, i)) >= 0:
+            k = want.find(0, j)
+            k = n if k < 0 else k
+            runs.append(((first + j) * PAGE, (first + k) * PAGE))
+            i = k
+    return runs, resident_pages
+
+
+@dataclass
+class Work:
+    """What one refresh faults in for one memfd: its first ``length`` bytes in ``pin``;
+    ``old``, the smaller mapping of a memfd grown since, goes once ``pin`` holds the pages."""
+    pin: Pin
+    length: int
+    old: Pin | None = None
+
+
+class Pins:
+    """The holder's mappings of the memfds it holds. Not thread-safe: one thread refreshes.
+
+    A refresh is a plan (fstat, mmap: quick, done while the holder keeps the set from
+    changing, so it needs no descriptor of its own) and a populate (the faults, done with no
+    lock held: the mappings keep the memfds alive)."""
+
+    def __init__(self) -> None:
+        self.pins: dict[tuple[int, int], Pin] = {}
+
+    def refresh(self, fds: Iterable[int]) -> Refresh:
+        work, done = self.plan(fds)
+        self.populate(work, done)
+        return done
+
+    def plan(self, fds: Iterable[int]) -> tuple[list[Work], Refresh]:
+        """Map every memfd among ``fds`` not yet mapped (or grown); unmap what is pinned and
+        no longer among them."""
+        done = Refresh(errors=[])
+        work: list[Work] = []
+        seen: set[tuple[int, int]] = set()
+        for fd in fds:
+            if not is_memfd(fd):  # /dev/fuse, the tier file: not shmem, never swapped
+                continue
+            try:
+                st = os.fstat(fd)
+                key = (st.st_dev, st.st_ino)
+                seen.add(key)
+                length = -(-st.st_size // PAGE) * PAGE
+                if length == 0:
+                    continue
+                old = self.pins.get(key)
+                if old is None or old.length < length:  # new, or grown in place
+                    pin = self.pins[key] = Pin(self.map(fd, length), length)
+                else:
+                    pin, old = old, None
+                work.append(Work(pin, min(length, pin.length), old))
+            except OSError as exc:
+                done.errors.append(f"fd {fd}: {exc}")
+        for key in [k for k in self.pins if k not in seen]:
+            self.unmap(self.pins.pop(key))
+            done.unmapped += 1
+        return work, done
+
+    def populate(self, work: list[Work], done: Refresh) -> None:
+        pagemap = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            for item in work:
+                try:
+                    runs, resident = to_fault(pagemap, item.pin.address, item.length)
+                    done.bytes += resident * PAGE
+                    for first, last in runs:
+                        if _libc.madvise(item.pin.address + first, last - first,
+                                         _MADV_POPULATE_READ) != 0:
+                            err = ctypes.get_errno()
+                            if err != errno.EFAULT:  # truncated meanwhile: nothing to keep
+                                raise OSError(err, f"MADV_POPULATE_READ: {os.strerror(err)}")
+                        done.faulted += last - first
+                    done.memfds += 1
+                except OSError as exc:
+                    done.errors.append(str(exc))
+                finally:
+                    if item.old is not None:
+                        self.unmap(item.old)
+        finally:
+            os.close(pagemap)
+
+    @staticmethod
+    def map(fd: int, length: int) -> int:
+        address = _libc.mmap(None, length, _PROT_READ, _MAP_SHARED, fd, 0)
+        if address in (None, _MAP_FAILED):
+            err = ctypes.get_errno()
+            raise OSError(err, f"mmap of {length} bytes: {os.strerror(err)}")
+        _libc.madvise(address, length, _MADV_DONTDUMP)  # every tenant's pages
+        if _libc.mlock2(address, length, _MLOCK_ONFAULT) != 0:
+            err = ctypes.get_errno()
+            _libc.munmap(address, length)
+            raise OSError(err, f"mlock2: {os.strerror(err)}")
+        return address
+
+    @staticmethod
+    def unmap(pin: Pin) -> None:
+        _libc.munmap(pin.address, pin.length)
+
+    def pinned(self) -> int:
+        """Bytes mapped (not all of them data: holes cost nothing)."""
+        return sum(p.length for p in self.pins.values())
+
+    def close(self) -> None:
+        for pin in self.pins.values():
+            self.unmap(pin)
+        self.pins.clear()
