@@ -142,20 +142,9 @@ def process_cmdline(pid: int) -> list[str]:
     return [a.decode(errors="surrogateescape") for a in raw.split(b"\0") if a]
 
 
-def children(pid: int) -> list[int]:
-    """The children of every thread of ``pid`` (/proc/PID/task/*/children); [] when gone."""
-    found: list[int] = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return found
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children", encoding="ascii") as f:
-                found += [int(c) for c in f.read().split()]
-        except (OSError, ValueError):
-            continue
-    return sorted(set(found))
+def pids() -> list[int]:
+    """Every process id in /proc now."""
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
 
 
 def process_state(pid: int | None) -> str | None:

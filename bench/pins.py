@@ -13,21 +13,16 @@ holder's first design). Prints milliseconds (median) and the holder's page table
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import statistics
 import time
 
+from agentzip_blk import mman
 from agentzip_blk.host import pinning
 
 MiB = 1 << 20
 EXTENT = 64 << 10
-MADV_POPULATE_READ = 22
-FALLOC_PUNCH = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
-
-libc = ctypes.CDLL(None, use_errno=True)
-libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
+FALLOC_PUNCH = mman.FALLOC_FL_PUNCH_HOLE | mman.FALLOC_FL_KEEP_SIZE
 
 
 def vm_pte_kib() -> int:
@@ -75,7 +70,7 @@ def run(data: int, span: int, gap: int, repeat: int) -> dict:
 
         def new_pages_then_refresh() -> float:
             for off in fresh:
-                libc.fallocate(fd, FALLOC_PUNCH, off, EXTENT)
+                mman.libc.fallocate(fd, FALLOC_PUNCH, off, EXTENT)
                 os.pwrite(fd, chunk, off)
             t = time.perf_counter()
             pins.refresh([fd])
@@ -83,7 +78,7 @@ def run(data: int, span: int, gap: int, repeat: int) -> dict:
 
         new_1pct = statistics.median(new_pages_then_refresh() for _ in range(repeat)) * 1e3
         (pin,) = pins.pins.values()
-        naive = timed(lambda: [libc.madvise(pin.address + s, e - s, MADV_POPULATE_READ)
+        naive = timed(lambda: [mman.libc.madvise(pin.address + s, e - s, mman.MADV_POPULATE_READ)
                                for s, e in data_ranges(fd, span)], repeat)
         return {"pinned_mib": first.bytes / MiB, "first": first_ms, "steady": steady,
                 "new_1pct": new_1pct, "naive": naive, "pte_kib": vm_pte_kib() - pte0,

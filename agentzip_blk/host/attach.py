@@ -262,10 +262,10 @@ def _sweep_orphans(run_dir: str, timeout: float, config=None) -> dict | None:
 
 def _unwedge(state: RunState) -> bool:
     """`down --force` on a chain that does not answer. A stopped process may only be paused:
-    SIGCONT and ask again. Otherwise kill what is left of the chain, the holder first (it
-    keeps the FUSE connection open, and would start the server again), so that every pending
-    and later read fails at once (a FUSE connection aborts when its daemon is gone), and
-    swapoff ends instead of waiting for ever: the kernel marks the pages it cannot read
+    SIGCONT and ask again. Otherwise abort the FUSE connection (fusectl) and kill what is left
+    of the chain, the holder first (it keeps the connection open, and would start the server
+    again) with the servers it started, so that every pending and later read fails at once,
+    and swapoff ends instead of waiting for ever: the kernel marks the pages it cannot read
     as poisoned, and whoever touches one gets SIGBUS. True when the chain was given up."""
     chain = [(state.nbdkit_pid, state.tool("nbdkit"), state.nbd_socket),
              (state.nbdfuse_pid, state.tool("nbdfuse"), state.fuse_file)]
@@ -279,25 +279,17 @@ def _unwedge(state: RunState) -> bool:
                 resumed = True
     if resumed and health(state)["ok"]:
         return False
-    started: list[int] = []  # servers the holder started for a recovery: the state may not
-    if state.holder_pid:  # name them. First: it would start again the server killed below
-        if holder.is_holder(state.holder_pid, state.run_dir):
-            started = procfs.children(state.holder_pid)
-        holder.stop(state.holder_pid, state.run_dir, 0.0)
-    for pid in started:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    # The connection first: a server SIGKILL cannot end (D state: a recovering one waiting for
+    # a page under writeback to this very device) would keep it open, and swapoff would wait
+    # on it for ever. Aborted, every request fails at once and that server can exit.
+    abort_fuse(state.mountpoint)
+    if state.holder_pid:  # it would start again the server killed below
+        holder.stop(state.holder_pid, state.run_dir, 0.0)  # and the servers it started
     for pid, exe, must in chain:
         if ours_alive(pid, exe, must):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             wait_gone(pid, 10.0)
-    # A server SIGKILL cannot end (D state: a recovering one waiting for a page under
-    # writeback to this very device) keeps the FUSE connection open, and swapoff would wait
-    # on it for ever: abort the connection, and it ends.
-    abort_fuse(state.mountpoint)
-    for pid in started:
-        wait_gone(pid, 10.0)
     return True
 
 

@@ -90,6 +90,14 @@ def status(run_dir: str | None = None, *, config=None,
         committed = ((out["health"] or {}).get("nbdkit") or {}).get("holder")
         out["server"]["holder"] = ({"pid": state.holder_pid, "alive": held,
                                     "committed": committed} if state.holder_pid else None)
+        pinned = holder.pins(state.run_dir) if held else None
+        if pinned is not None:
+            out["server"]["holder"].update(pinned)
+            if pinned["pin_errors"]:
+                warnings.append("the holder cannot keep the store's memory locked ("
+                                + "; ".join(pinned["pin_errors"][:3]) + "): after a crash of "
+                                "the server the kernel may swap it onto this device, and the "
+                                "recovery would hang")
         if out["server"].get("recoveries") is None:
             out["server"]["recoveries"] = state.recoveries
         if held is False and (alive or ours is not None):

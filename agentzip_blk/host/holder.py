@@ -776,14 +776,55 @@ def give_recipe(run_dir: str, argv: list[str], env: dict[str, str], timeout: flo
 def stop(pid: int | None, run_dir: str, wait: float = EXIT_WAIT) -> None:
     """After the server stopped: the holder exits by itself once the server said bye; it is
     killed (SIGKILL, by pid, once shown to be ours) after ``wait`` seconds. ``wait`` 0: at
-    once (`down --force`: it must not start a server again)."""
+    once (`down --force`: it must not start a server again). A server it started for a
+    recovery and that still runs then is killed with it: the state may not name it, and it
+    would hold the store and the tier file after `down`."""
     if is_holder(pid, run_dir) and not wait_gone(pid, wait) and is_holder(pid, run_dir):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         if not wait_gone(pid, 10.0):
             raise DeviceError(f"the holder (pid {pid}) did not exit after SIGKILL")
+        started = recovering_servers(pid, run_dir)
+        for child in started:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+        for child in started:
+            if not wait_gone(child, 10.0):
+                raise DeviceError(f"pid {child}, a server the holder started, did not exit "
+                                  "after SIGKILL")
     if pid:
         remove_files(run_dir, pid)
+
+
+def recovering_servers(holder_pid: int, run_dir: str) -> list[int]:
+    """The servers holder ``holder_pid`` started for a recovery (their command line names it:
+    ``takeover_pid=``, and its recover socket), and a copy of it forked and not yet exec'd
+    into one (it holds the holder's descriptors, the tier file's lock among them); found by
+    command line, since once the holder is gone their parent is init."""
+    marks = {f"takeover_pid={holder_pid}", f"takeover={os.path.join(run_dir, RECOVER_SOCKET)}"}
+    found = []
+    for pid in procfs.pids():
+        argv = procfs.process_cmdline(pid) or []
+        if marks <= set(argv) or (pid != holder_pid and is_holder(pid, run_dir)):
+            found.append(pid)
+    return found
+
+
+def pins(run_dir: str, timeout: float = 2.0) -> dict | None:
+    """What the holder's last refresh of its pins found (host/pinning.py): the bytes it
+    keeps locked and its errors; None when it does not answer."""
+    try:
+        client = HolderClient(socket_path(run_dir), timeout=timeout)
+    except HolderError:
+        return None
+    try:
+        reply = client.status()
+    except (HolderError, OSError):
+        return None
+    finally:
+        client.close()
+    return {"pinned_bytes": reply.get("pinned_bytes", 0),
+            "pin_errors": reply.get("pin_errors", [])}
 
 
 def pid_of(run_dir: str) -> int | None:

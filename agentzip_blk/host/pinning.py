@@ -17,35 +17,22 @@ server writes new pages; its own lock covers them meanwhile) and at once when it
 memfd the holder no longer holds is unmapped, so that its memory can go.
 
 What it costs: the holder's page tables (2 MiB per GiB pinned) and, per refresh, a look at
-mincore and pagemap over the mappings (BENCHMARKS.md, "The holder's pins").
+mincore and pagemap over the 128 MiB chunks that hold data (SEEK_DATA skips the rest)
+(BENCHMARKS.md, "The holder's pins").
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-PAGE = 4096
-PERIOD = 5.0  # s between two refreshes while the server runs: 45-50 ms a GiB of pool each
+from .. import mman
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.mlock2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-_PROT_READ = 0x1
-_MAP_SHARED = 0x01
-_MAP_FAILED = ctypes.c_void_p(-1).value
-_MADV_DONTDUMP = 16
-_MADV_POPULATE_READ = 22  # Linux 5.14
-_MLOCK_ONFAULT = 1
+PAGE = 4096
+PERIOD = 5.0  # s between two refreshes while the server runs (each: BENCHMARKS.md, "The holder's pins")
 
 
 @dataclass
@@ -77,19 +64,43 @@ _RESIDENT = bytes(b & 1 for b in range(256))  # mincore: bit 0
 _CHUNK = 1 << 15  # pages looked at per call: 128 MiB of address space
 
 
-def to_fault(pagemap: int, address: int, length: int) -> tuple[list[tuple[int, int]], int]:
-    """The runs [start, end) (offsets from ``address``) of pages that are in memory (mincore:
-    data, neither a hole nor swapped out) and not yet mapped in our page tables (pagemap bit
-    63), and the count of pages in memory. Faulting in only these keeps a refresh cheap (a
-    page already mapped costs as much to fault again as the walk that finds it) and never
-    waits for a swap-in."""
+def chunks_with_data(fd: int, length: int) -> list[int]:
+    """The first page of every _CHUNK-page chunk of the memfd's first ``length`` bytes that
+    holds data (SEEK_DATA: a run of holes costs one call, where mincore would look up each of
+    its pages; the pool's memfd is mostly holes past its highest arena)."""
+    chunks: list[int] = []
+    offset = 0
+    while offset < length:
+        try:
+            data = os.lseek(fd, offset, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # no data after offset
+                break
+            raise
+        if data >= length:
+            break
+        first = data // PAGE // _CHUNK * _CHUNK
+        chunks.append(first)
+        offset = (first + _CHUNK) * PAGE
+    return chunks
+
+
+def to_fault(pagemap: int, address: int, length: int,
+             chunks: Iterable[int]) -> tuple[list[tuple[int, int]], int]:
+    """The runs [start, end) (offsets from ``address``) of pages of ``chunks`` that are in
+    memory (mincore: data, neither a hole nor swapped out) and not yet mapped in our page
+    tables (pagemap bit 63), and the count of pages in memory. Faulting in only these keeps a
+    refresh cheap (a page already mapped costs as much to fault again as the walk that finds
+    it) and never waits for a swap-in."""
     pages = length // PAGE
     vec = (ctypes.c_ubyte * min(pages, _CHUNK))()
     runs: list[tuple[int, int]] = []
     resident_pages = 0
-    for first in range(0, pages, _CHUNK):
+    for first in chunks:
         n = min(_CHUNK, pages - first)
-        if _libc.mincore(address + first * PAGE, n * PAGE, vec) != 0:
+        if n <= 0:
+            continue
+        if mman.libc.mincore(address + first * PAGE, n * PAGE, vec) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"mincore: {os.strerror(err)}")
         resident = bytes(vec)[:n].translate(_RESIDENT)
@@ -108,17 +119,19 @@ def to_fault(pagemap: int, address: int, length: int) -> tuple[list[tuple[int, i
 
 @dataclass
 class Work:
-    """What one refresh faults in for one memfd: its first ``length`` bytes in ``pin``;
-    ``old``, the smaller mapping of a memfd grown since, goes once ``pin`` holds the pages."""
+    """What one refresh faults in for one memfd: its first ``length`` bytes in ``pin``, in
+    the chunks that hold data; ``old``, the smaller mapping of a memfd grown since, goes once
+    ``pin`` holds the pages."""
     pin: Pin
     length: int
+    chunks: list[int]
     old: Pin | None = None
 
 
 class Pins:
     """The holder's mappings of the memfds it holds. Not thread-safe: one thread refreshes.
 
-    A refresh is a plan (fstat, mmap: quick, done while the holder keeps the set from
+    A refresh is a plan (fstat, mmap, SEEK_DATA: quick, done while the holder keeps the set from
     changing, so it needs no descriptor of its own) and a populate (the faults, done with no
     lock held: the mappings keep the memfds alive)."""
 
@@ -151,7 +164,8 @@ class Pins:
                     pin = self.pins[key] = Pin(self.map(fd, length), length)
                 else:
                     pin, old = old, None
-                work.append(Work(pin, min(length, pin.length), old))
+                covered = min(length, pin.length)
+                work.append(Work(pin, covered, chunks_with_data(fd, covered), old))
             except OSError as exc:
                 done.errors.append(f"fd {fd}: {exc}")
         for key in [k for k in self.pins if k not in seen]:
@@ -164,11 +178,12 @@ class Pins:
         try:
             for item in work:
                 try:
-                    runs, resident = to_fault(pagemap, item.pin.address, item.length)
+                    runs, resident = to_fault(pagemap, item.pin.address, item.length,
+                                              item.chunks)
                     done.bytes += resident * PAGE
                     for first, last in runs:
-                        if _libc.madvise(item.pin.address + first, last - first,
-                                         _MADV_POPULATE_READ) != 0:
+                        if mman.libc.madvise(item.pin.address + first, last - first,
+                                         mman.MADV_POPULATE_READ) != 0:
                             err = ctypes.get_errno()
                             if err != errno.EFAULT:  # truncated meanwhile: nothing to keep
                                 raise OSError(err, f"MADV_POPULATE_READ: {os.strerror(err)}")
@@ -184,20 +199,20 @@ class Pins:
 
     @staticmethod
     def map(fd: int, length: int) -> int:
-        address = _libc.mmap(None, length, _PROT_READ, _MAP_SHARED, fd, 0)
-        if address in (None, _MAP_FAILED):
+        address = mman.libc.mmap(None, length, mman.PROT_READ, mman.MAP_SHARED, fd, 0)
+        if address in (None, mman.MAP_FAILED):
             err = ctypes.get_errno()
             raise OSError(err, f"mmap of {length} bytes: {os.strerror(err)}")
-        _libc.madvise(address, length, _MADV_DONTDUMP)  # every tenant's pages
-        if _libc.mlock2(address, length, _MLOCK_ONFAULT) != 0:
+        mman.libc.madvise(address, length, mman.MADV_DONTDUMP)  # every tenant's pages
+        if mman.libc.mlock2(address, length, mman.MLOCK_ONFAULT) != 0:
             err = ctypes.get_errno()
-            _libc.munmap(address, length)
+            mman.libc.munmap(address, length)
             raise OSError(err, f"mlock2: {os.strerror(err)}")
         return address
 
     @staticmethod
     def unmap(pin: Pin) -> None:
-        _libc.munmap(pin.address, pin.length)
+        mman.libc.munmap(pin.address, pin.length)
 
     def pinned(self) -> int:
         """Bytes mapped (not all of them data: holes cost nothing)."""

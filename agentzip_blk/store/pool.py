@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import bisect
 import ctypes
-import ctypes.util
 import fcntl
 import os
 import weakref
@@ -40,6 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import mman
 from ..codec.codecs import MAX_COMPRESSED  # above this a page is stored raw
 
 PAGE = 4096
@@ -64,20 +64,6 @@ STATE_ITEMS = 10
 LARGE_CLASS_GROWTH = 32  # classes above MAX_COMPRESSED grow by 1/32
 GROW_AHEAD = 0.75  # the maintainer doubles the per-arena arrays once this share is used
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
-_PROT_RW = 0x1 | 0x2
-_MAP_SHARED = 0x01
-_MAP_FAILED = (1 << 64) - 1
-_MADV_DONTDUMP = 16
-_MADV_POPULATE_READ = 22
-_FALLOC_FL_KEEP_SIZE = 0x01
-_FALLOC_FL_PUNCH_HOLE = 0x02
 MEMFD_NAME = "agentzip-pool"
 
 
@@ -99,19 +85,19 @@ def map_arena(fd: int, offset: int, size: int) -> int:
     no memory until written), kept out of core dumps: it holds tenants' pages in the clear
     (docs/SECURITY.md). nativestore.c maps the same way. Raises PoolFull when the kernel
     refuses."""
-    addr = _libc.mmap(None, size, _PROT_RW, _MAP_SHARED, fd, offset)
-    if addr is None or addr == _MAP_FAILED:
+    addr = mman.libc.mmap(None, size, mman.PROT_RW, mman.MAP_SHARED, fd, offset)
+    if addr is None or addr == mman.MAP_FAILED:
         err = ctypes.get_errno()
         raise PoolFull(f"mmap of a {size}-byte arena: {os.strerror(err)}")
-    _libc.madvise(addr, size, _MADV_DONTDUMP)
+    mman.libc.madvise(addr, size, mman.MADV_DONTDUMP)
     return addr
 
 
 def unmap_arena(fd: int, offset: int, addr: int, size: int) -> None:
     """Unmap an arena and free its memory: the munmap of a shared mapping frees nothing,
     the memfd keeps the pages until their range is punched."""
-    _libc.munmap(addr, size)
-    _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, size)
+    mman.libc.munmap(addr, size)
+    mman.libc.fallocate(fd, mman.FALLOC_FL_PUNCH_HOLE | mman.FALLOC_FL_KEEP_SIZE, offset, size)
 
 
 def _close_box(box: list[int]) -> None:
@@ -515,7 +501,7 @@ class Pool:
             # page when this process faults it, and the old server, which had them locked,
             # exits after the handover. A shared page locked by nobody could be swapped out,
             # onto the very device this process serves. (EINVAL before Linux 5.14: skipped.)
-            _libc.madvise(addr, size, _MADV_POPULATE_READ)
+            mman.libc.madvise(addr, size, mman.MADV_POPULATE_READ)
         self.on_moved()
 
     def rebuild(self, arenas: np.ndarray, cells: np.ndarray, classes: np.ndarray) -> None:
@@ -538,7 +524,7 @@ class Pool:
             arena_id, cls = int(arenas[lo]), self.classes[int(classes[lo])]
             used = cells[lo:hi]
             addr = map_arena(memfd, arena_id * span, cls.arena_size)
-            _libc.madvise(addr, cls.arena_size, _MADV_POPULATE_READ)  # locked from now on
+            mman.libc.madvise(addr, cls.arena_size, mman.MADV_POPULATE_READ)  # locked from now on
             live_ids.add(arena_id)
             self.arena_addr[arena_id] = addr
             self._a_class[arena_id] = cls.index
@@ -553,7 +539,7 @@ class Pool:
             self._a_free_head[arena_id] = head
             touched = self._touched(cls, bump)
             if touched < cls.arena_size:  # cells above the last one used: dead rows' bytes
-                _libc.fallocate(memfd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE,
+                mman.libc.fallocate(memfd, mman.FALLOC_FL_PUNCH_HOLE | mman.FALLOC_FL_KEEP_SIZE,
                                 arena_id * span + touched, cls.arena_size - touched)
             self._add(ALLOCATED, cls.arena_size)
             self._add(RESIDENT, touched)
@@ -586,7 +572,7 @@ class Pool:
             end = os.lseek(fd, start, os.SEEK_HOLE)
             for arena_id in range(start // span, -(-end // span)):
                 if arena_id not in live_ids:
-                    _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE,
+                    mman.libc.fallocate(fd, mman.FALLOC_FL_PUNCH_HOLE | mman.FALLOC_FL_KEEP_SIZE,
                                     arena_id * span, span)
             at = end
 
@@ -596,7 +582,7 @@ class Pool:
         memfd nobody else holds frees everything here too."""
         for arena_id in self._live_ids().tolist():
             size = self.classes[int(self._a_class[arena_id])].arena_size
-            _libc.munmap(int(self.arena_addr[arena_id]), size)
+            mman.libc.munmap(int(self.arena_addr[arena_id]), size)
             self.arena_addr[arena_id] = 0
         fd = self.memfd
         self._state[MEMFD] = -1

@@ -20,7 +20,6 @@ store uses it: the server sets it once the holder is connected (`attach`).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import fcntl
 import mmap
 import os
@@ -31,12 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_FALLOC_FL_KEEP_SIZE = 0x01
-_FALLOC_FL_PUNCH_HOLE = 0x02
-_MADV_DONTDUMP = 16
+from .. import mman
+
 _PAGE = mmap.PAGESIZE
 PREFIX = "agentzip-"  # every memfd's name starts so (/proc/PID/fd shows it)
 
@@ -120,7 +115,7 @@ class SharedTables:
         m = mmap.mmap(column.fd, size, flags=mmap.MAP_SHARED)
         # the books name no page content, but no core dump needs them either
         address = ctypes.addressof(ctypes.c_char.from_buffer(m))
-        _libc.madvise(address, size, _MADV_DONTDUMP)
+        mman.libc.madvise(address, size, mman.MADV_DONTDUMP)
         column.rows, column.map = rows, m
         array = np.frombuffer(m, dtype=column.dtype, count=rows * column.width)
         return array.reshape(rows, column.width) if column.matrix else array
@@ -135,7 +130,7 @@ class SharedTables:
         end = column.rows * row // _PAGE * _PAGE
         if end <= start:
             return 0
-        if _libc.fallocate(column.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, start,
+        if mman.libc.fallocate(column.fd, mman.FALLOC_FL_PUNCH_HOLE | mman.FALLOC_FL_KEEP_SIZE, start,
                            end - start):
             return 0  # cannot: the pages stay (counted as they are)
         return end - start

@@ -43,6 +43,24 @@ pytestmark = [
 ]
 
 
+def device_config(tmp_path: Path, prefix: str) -> tuple[str, Path]:
+    """A run directory and the config of a 512 MiB device (FUSE front door, disk tier); the
+    test is skipped while another swap area is active: it must own swap."""
+    if procfs.swaps():
+        pytest.skip("another swap area is active; this test must own swap")
+    run_dir = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    cfg = tmp_path / "config.yaml"
+    write_config(cfg, run_dir, tmp_path / "disk-tier", level=3)
+    return run_dir, cfg
+
+
+def no_holder_left(holder_pid: int | None) -> None:
+    """Fails the test if the holder outlived `down` (and kills it: only then)."""
+    if holder_pid and procfs.process_state(holder_pid) not in (None, "Z"):
+        os.kill(holder_pid, signal.SIGKILL)
+        pytest.fail(f"the holder (pid {holder_pid}) outlived down")
+
+
 def recovered(cfg: Path, run_dir: str, dead: int, count: int, timeout: float = 120.0) -> dict:
     """`status` once a server other than ``dead`` serves, healthy, after ``count``
     recoveries."""
@@ -58,11 +76,7 @@ def recovered(cfg: Path, run_dir: str, dead: int, count: int, timeout: float = 1
 
 
 def test_a_killed_server_is_recovered_under_a_faulting_workload(tmp_path):
-    if procfs.swaps():
-        pytest.skip("another swap area is active; this test must own swap")
-    run_dir = tempfile.mkdtemp(prefix="azcr-", dir="/tmp")
-    cfg = tmp_path / "config.yaml"
-    write_config(cfg, run_dir, tmp_path / "disk-tier", level=3)
+    run_dir, cfg = device_config(tmp_path, "azcr-")
     cg = proc = None
     holder_pid = None
     try:
@@ -71,7 +85,8 @@ def test_a_killed_server_is_recovered_under_a_faulting_workload(tmp_path):
         st = status(cfg)
         device, pid = st["state"]["device"], st["state"]["nbdkit_pid"]
         holder_pid = st["state"]["holder_pid"]
-        assert st["server"]["holder"] == {"pid": holder_pid, "alive": True, "committed": True}
+        assert {k: st["server"]["holder"][k] for k in ("pid", "alive", "committed")} == \
+            {"pid": holder_pid, "alive": True, "committed": True}
 
         cg, proc = squeezed_workload(f"azt-crash-{os.getpid()}", HEAP_WORKLOAD, ["96"],
                                      limit=32 * MiB, swapped=48 * MiB)
@@ -106,9 +121,7 @@ def test_a_killed_server_is_recovered_under_a_faulting_workload(tmp_path):
     finally:
         stop_workload(proc, cg)
         left = leave_nothing(run_dir)
-        if holder_pid and procfs.process_state(holder_pid) not in (None, "Z"):
-            os.kill(holder_pid, signal.SIGKILL)  # only if down did not stop it: a failure
-            pytest.fail(f"the holder (pid {holder_pid}) outlived down")
+        no_holder_left(holder_pid)
     assert left == []
     assert [a for a in procfs.swaps() if "loop" in a.filename] == []
 
@@ -119,11 +132,7 @@ def test_a_dead_servers_memory_stays_out_of_swap(tmp_path):
     emptied (memory.force_empty: the kernel reclaims all it can, to swap where it can): none
     of them goes to swap, our own device included, where its write would wait for a server
     and the recovering one would wait for it. The recovery then finds every byte."""
-    if procfs.swaps():
-        pytest.skip("another swap area is active; this test must own swap")
-    run_dir = tempfile.mkdtemp(prefix="azcp-", dir="/tmp")
-    cfg = tmp_path / "config.yaml"
-    write_config(cfg, run_dir, tmp_path / "disk-tier", level=3)
+    run_dir, cfg = device_config(tmp_path, "azcp-")
     server_cg = MemoryCgroup.create(f"azt-server-{os.getpid()}")
     cg = proc = None
     holder_pid = None
@@ -149,6 +158,8 @@ def test_a_dead_servers_memory_stays_out_of_swap(tmp_path):
         finally:
             holder.close()
         assert pins["pin_errors"] == [] and pins["pinned_bytes"] > 0, pins
+        shown = status(cfg)["server"]["holder"]  # what the operator sees
+        assert shown["pin_errors"] == [] and shown["pinned_bytes"] > 0, shown
 
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
@@ -169,10 +180,8 @@ def test_a_dead_servers_memory_stays_out_of_swap(tmp_path):
     finally:
         stop_workload(proc, cg)
         left = leave_nothing(run_dir)
-        if holder_pid and procfs.process_state(holder_pid) not in (None, "Z"):
-            os.kill(holder_pid, signal.SIGKILL)
-            pytest.fail(f"the holder (pid {holder_pid}) outlived down")
         server_cg.remove()
+        no_holder_left(holder_pid)
     assert left == []
 
 
@@ -181,11 +190,7 @@ def test_down_force_aborts_a_connection_no_server_answers(tmp_path):
     on a server that cannot answer (SIGSTOPped here: the same wait as behind a server in D
     state) fails at once when the connection is aborted through fusectl, which is left as
     it was found; `down --force` then leaves nothing."""
-    if procfs.swaps():
-        pytest.skip("another swap area is active; this test must own swap")
-    run_dir = tempfile.mkdtemp(prefix="azca-", dir="/tmp")
-    cfg = tmp_path / "config.yaml"
-    write_config(cfg, run_dir, tmp_path / "disk-tier", level=3)
+    run_dir, cfg = device_config(tmp_path, "azca-")
     pid = reader = None
     try:
         r = cli("--config", str(cfg), "up")

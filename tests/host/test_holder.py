@@ -101,6 +101,27 @@ def test_stop_kills_a_holder_that_no_server_said_bye_to(run_dir):
     holder.stop(hpid, path)  # gone already: nothing to do
 
 
+def test_stop_takes_the_servers_the_holder_started_with_it(run_dir):
+    """A server the holder started for a recovery (its command line names the holder's pid
+    and recover socket) would outlive the holder, holding the store and the tier file's lock:
+    `stop` kills it too, and nothing else."""
+    path, started = run_dir
+    hpid = holder.start(path, 10.0)
+    started.append(hpid)
+    marks = [f"takeover={os.path.join(path, holder.RECOVER_SOCKET)}", f"takeover_pid={hpid}"]
+    sleeper = ["-c", "import time; time.sleep(600)"]
+    recovering = subprocess.Popen(["nbdkit", *sleeper, *marks], executable="/usr/bin/python3",
+                                  stdin=subprocess.DEVNULL, start_new_session=True)
+    other = subprocess.Popen(["nbdkit", *sleeper, marks[0], "takeover_pid=1"],
+                             executable="/usr/bin/python3", stdin=subprocess.DEVNULL,
+                             start_new_session=True)
+    started += [recovering.pid, other.pid]
+    assert holder.recovering_servers(hpid, path) == [recovering.pid]
+    holder.stop(hpid, path, 0.0)
+    assert not procs.pid_alive(recovering.pid)  # (stop reaped it: it is our child here)
+    assert other.poll() is None  # another holder's, or nobody's: not ours to stop
+
+
 def test_up_starts_the_holder_and_gives_it_the_recipe(run_dir, monkeypatch):
     path, started = run_dir
     state = state_of(path)
@@ -120,7 +141,9 @@ def test_up_starts_the_holder_and_gives_it_the_recipe(run_dir, monkeypatch):
     assert "takeover" not in open(os.path.join(path, holder.LOG)).read()
 
     out = health.status(path)
-    assert out["server"]["holder"] == {"pid": state.holder_pid, "alive": True, "committed": None}
+    # holding nothing yet: nothing pinned, no error
+    assert out["server"]["holder"] == {"pid": state.holder_pid, "alive": True, "committed": None,
+                                       "pinned_bytes": 0, "pin_errors": []}
     assert out["server"]["recoveries"] == 0
 
 

@@ -110,14 +110,8 @@ def handover(pages: int, warm: str = "none") -> None:
 
 def mapping(rounds: int = 15) -> None:
     import ctypes
-    import ctypes.util
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
+
+    from agentzip_blk.mman import libc
     arena, n, span = 16384, 4096, 65536
     out = ctypes.create_string_buffer(arena)
     fd = os.memfd_create("bench", os.MFD_CLOEXEC)
