@@ -236,29 +236,42 @@ class SlotTable:
         self.handle[slot], self.sub[slot] = handle, sub
         sw[SWITCH_ON] = 0
 
-    def used(self) -> np.ndarray:
-        """Indices of the non-empty slots, reading only chunks in use."""
-        chunks = np.flatnonzero(self.chunk_live)
+    def ids_of(self, chunks: np.ndarray) -> np.ndarray:
+        """Every slot id of ``chunks``, chunk after chunk (the last one cut at nslots)."""
         if not len(chunks):
             return np.zeros(0, dtype=np.int64)
         idx = (chunks[:, None] * CHUNK_SLOTS + np.arange(CHUNK_SLOTS)).ravel()
-        idx = idx[idx < self.nslots]
+        return idx[idx < self.nslots]
+
+    def used(self) -> np.ndarray:
+        """Indices of the non-empty slots, reading only chunks in use."""
+        idx = self.ids_of(np.flatnonzero(self.chunk_live))
         return idx[self.kind[idx] != EMPTY]
+
+    def touched(self) -> np.ndarray:
+        """Every slot id of the chunks ever written. The rest is never read: the columns are
+        memfds (they outlive the process), and a read of shmem never written allocates a
+        page, where a private mapping would have mapped the zero page."""
+        return self.ids_of(np.flatnonzero(self.chunk_touched))
 
     def blob_slots(self) -> np.ndarray:
         used = self.used()
         return used[self.kind[used] == BLOB]
 
     def touched_bytes(self) -> int:
-        """Memory of the chunks ever written, not mincore: reading a never-written part of
-        these tables maps the kernel's zero page, which mincore reports but costs nothing."""
+        """Memory of the chunks ever written (the rest is never read: `touched`)."""
         return int(self.chunk_touched.sum()) * CHUNK_SLOTS * self.slot_bytes + self.words.nbytes()
 
     def check(self) -> None:
-        """Cross-check the chunk books and the same-filled count; raises AssertionError."""
-        assert self.same_pages == int(np.count_nonzero(self.kind == SAME))
-        self.words.check(self.handle[self.kind == SAME])
-        per_chunk = np.add.reduceat((self.kind != EMPTY).astype(np.int32),
-                                    np.arange(0, self.nslots, CHUNK_SLOTS))
-        assert np.array_equal(per_chunk, self.chunk_live), "chunk counts disagree"
+        """Cross-check the chunk books and the same-filled count over the chunks ever
+        written (`touched`); raises AssertionError."""
+        idx = self.touched()
+        kind = self.kind[idx]
+        assert self.same_pages == int(np.count_nonzero(kind == SAME))
+        self.words.check(self.handle[idx[kind == SAME]])
         assert not (self.chunk_live > 0)[~self.chunk_touched].any()
+        if len(idx):
+            per_chunk = np.add.reduceat((kind != EMPTY).astype(np.int32),
+                                        np.arange(0, len(idx), CHUNK_SLOTS))
+            assert np.array_equal(per_chunk, self.chunk_live[self.chunk_touched]), \
+                "chunk counts disagree"
