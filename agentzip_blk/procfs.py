@@ -152,8 +152,24 @@ def process_state(pid: int | None) -> str | None:
     None when there is no such process."""
     if not pid or pid <= 0:
         return None
+    return _state(f"/proc/{pid}/stat")
+
+
+def thread_states(pid: int) -> list[str]:
+    """The state letter of each thread of ``pid``; [] when there is no such process. A
+    killed process's leader is a zombie while its other threads still exit, and until the
+    last one has, its descriptors (and their locks) stay open."""
     try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    states = [_state(f"/proc/{pid}/task/{tid}/stat") for tid in tids]
+    return [s for s in states if s is not None]
+
+
+def _state(stat_path: str) -> str | None:
+    try:
+        with open(stat_path, encoding="utf-8", errors="replace") as f:
             stat = f.read()
     except OSError:
         return None

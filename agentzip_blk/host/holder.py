@@ -541,7 +541,7 @@ class Holder:
                     self.cond.wait(0.2)
         except RecoveryFailed as exc:
             kill(proc)
-            if proc.poll() is None:  # kept: down --force finds it among our children
+            if proc.poll() is None:  # kept running: `down` finds it by its command line
                 raise ServerStuck(f"{exc}; and pid {proc.pid} did not exit after SIGKILL "
                                   f"(state {procfs.process_state(proc.pid)})") from None
             self.children.remove(proc)

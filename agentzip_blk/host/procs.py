@@ -144,7 +144,9 @@ def stop_process(pid: int | None, exe: str, must_contain: str | None, timeout: f
 
 
 def pid_alive(pid: int | None) -> bool:
-    """True when ``pid`` runs and is not a zombie. Reaps it if it is our own dead child."""
+    """True while any thread of ``pid`` runs: a killed process's leader turns zombie before
+    its other threads have exited and closed its descriptors (a tier file's lock, the FUSE
+    connection). Reaps it if it is our own dead child."""
     if not pid or pid <= 0:
         return False
     try:
@@ -155,7 +157,7 @@ def pid_alive(pid: int | None) -> bool:
         pass
     except OSError:
         pass
-    return procfs.process_state(pid) not in (None, "Z", "X")
+    return any(state not in ("Z", "X") for state in procfs.thread_states(pid))
 
 
 def set_oom_score_adj(pid: int, value: int = -1000) -> bool:

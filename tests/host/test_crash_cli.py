@@ -199,6 +199,10 @@ def test_down_force_aborts_a_connection_no_server_answers(tmp_path):
         pid, fuse_file, mountpoint = state["nbdkit_pid"], state["fuse_file"], state["mountpoint"]
         fusectl = chain.is_mounted(chain.FUSECTL)
         os.kill(pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10  # every worker thread stopped, not only signalled
+        while set(procfs.thread_states(pid)) != {"T"}:
+            assert time.monotonic() < deadline, procfs.thread_states(pid)
+            time.sleep(0.02)
         reader = subprocess.Popen(["dd", f"if={fuse_file}", "of=/dev/null", "bs=4096",
                                    "count=1", "skip=1000", "iflag=direct"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -55,3 +55,34 @@ def test_up_with_a_refused_tier_file_says_why_in_one_line(tmp_path):
             assert str(run_dir) not in f.read()
     finally:
         subprocess.run([*cli, "down", "--force"], capture_output=True, timeout=120, env=env)
+
+
+def test_a_process_whose_leader_is_a_zombie_is_alive_while_a_thread_runs():
+    """A killed process's leader turns zombie while its other threads still exit, and its
+    descriptors (a tier file's lock) stay open until the last one has: `pid_alive` counts
+    threads. Here the leader leaves by pthread_exit while a thread sleeps on."""
+    import signal
+    import time
+
+    from agentzip_blk import procfs
+    from agentzip_blk.host.procs import pid_alive, wait_gone
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import ctypes, threading, time\n"
+         "threading.Thread(target=time.sleep, args=(60,)).start()\n"
+         "print('up', flush=True)\n"
+         "ctypes.CDLL(None).pthread_exit(None)\n"],
+        stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert child.stdout.readline().strip() == "up"
+        deadline = time.monotonic() + 10
+        while procfs.process_state(child.pid) != "Z":
+            assert time.monotonic() < deadline, procfs.thread_states(child.pid)
+            time.sleep(0.02)
+        assert set(procfs.thread_states(child.pid)) - {"Z", "X"}  # the thread runs on
+        assert pid_alive(child.pid)  # was False: the leader's state alone
+        os.kill(child.pid, signal.SIGKILL)
+        assert wait_gone(child.pid, 10.0)
+    finally:
+        child.kill()
+        child.wait()
