@@ -432,7 +432,7 @@ class Holder:
             pins.populate(work, done)
             if done.errors != said:
                 say("pins: " + ("; ".join(done.errors) if done.errors else "pinned again"))
-                said = done.errors or []
+                said = done.errors
             with self.cond:
                 self.pinned = done
                 self.pin_refreshes += 1

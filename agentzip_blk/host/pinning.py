@@ -27,7 +27,7 @@ import ctypes
 import errno
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .. import mman
 
@@ -44,12 +44,12 @@ class Pin:
 
 @dataclass
 class Refresh:
-    """What one refresh did: memfds pinned, the bytes of their data ranges, failures."""
+    """What one refresh did: memfds pinned, the bytes they hold in memory, failures."""
     memfds: int = 0
     bytes: int = 0  # in memory (neither holes nor swapped out): pinned
     faulted: int = 0  # of which not yet mapped here: faulted in by this refresh
     unmapped: int = 0
-    errors: list[str] | None = None
+    errors: list[str] = field(default_factory=list)
 
 
 def is_memfd(fd: int) -> bool:
@@ -146,7 +146,7 @@ class Pins:
     def plan(self, fds: Iterable[int]) -> tuple[list[Work], Refresh]:
         """Map every memfd among ``fds`` not yet mapped (or grown); unmap what is pinned and
         no longer among them."""
-        done = Refresh(errors=[])
+        done = Refresh()
         work: list[Work] = []
         seen: set[tuple[int, int]] = set()
         for fd in fds:
@@ -183,7 +183,7 @@ class Pins:
                     done.bytes += resident * PAGE
                     for first, last in runs:
                         if mman.libc.madvise(item.pin.address + first, last - first,
-                                         mman.MADV_POPULATE_READ) != 0:
+                                             mman.MADV_POPULATE_READ) != 0:
                             err = ctypes.get_errno()
                             if err != errno.EFAULT:  # truncated meanwhile: nothing to keep
                                 raise OSError(err, f"MADV_POPULATE_READ: {os.strerror(err)}")
@@ -213,10 +213,6 @@ class Pins:
     @staticmethod
     def unmap(pin: Pin) -> None:
         mman.libc.munmap(pin.address, pin.length)
-
-    def pinned(self) -> int:
-        """Bytes mapped (not all of them data: holes cost nothing)."""
-        return sum(p.length for p in self.pins.values())
 
     def close(self) -> None:
         for pin in self.pins.values():
