@@ -488,14 +488,16 @@ class FuseFile:
                 self.backend.pread(io.wview[OUT_HEADER.size:OUT_HEADER.size + size], offset)
         except Exception as exc:
             return self._fail(io.fd, unique, exc)
+        # counted before the reply, as the native path counts: once the reply is written,
+        # the client may ask for the stats (a test saw `reads` one behind `latency`)
+        with self._stats_lock:
+            self.stats.reads += 1
         OUT_HEADER.pack_into(io.wbuf, 0, OUT_HEADER.size + size, 0, unique)
         try:
             os.write(io.fd, io.wview[:OUT_HEADER.size + size])
         except OSError as e:
             if e.errno != errno.ENOENT:
                 raise
-        with self._stats_lock:
-            self.stats.reads += 1
         return None
 
     def _write(self, io: _Worker, unique: int, nodeid: int, n: int) -> None:
@@ -509,9 +511,9 @@ class FuseFile:
             self.backend.pwrite(io.rview[data:data + size], offset)
         except Exception as exc:
             return self._fail(io.fd, unique, exc)
-        self._reply(io.fd, unique, WRITE_OUT.pack(size, 0))
-        with self._stats_lock:
+        with self._stats_lock:  # before the reply, as reads
             self.stats.writes += 1
+        self._reply(io.fd, unique, WRITE_OUT.pack(size, 0))
         return None
 
     def _fallocate(self, io: _Worker, unique: int, nodeid: int, n: int) -> None:
