@@ -126,6 +126,7 @@ class NativeServe(Protocol):
     """The native request path's loop (datapath.native.NativePath.serve)."""
 
     def serve(self, fd: int, rbuf, wbuf, epfd: int = -1, stop=None) -> int: ...
+    def serve_writes(self, fd: int, rbuf, wbuf, stop) -> int | None: ...
     def counters(self) -> dict: ...
 
 
@@ -297,6 +298,11 @@ class FuseFile:
             t = threading.Thread(target=self._worker, name=f"agentzip-fuse-{i}", daemon=True)
             t.start()
             self._workers.append(t)
+        for i in range(WRITERS if self.native is not None else 0):  # the write queue's
+            t = threading.Thread(target=self._writer, name=f"agentzip-fuse-writer-{i}",
+                                 daemon=True)
+            t.start()
+            self._workers.append(t)
 
     def pause(self, timeout: float = 10.0) -> None:
         """Finish the requests read and take no new one (they wait in the kernel's queue).
@@ -406,6 +412,22 @@ class FuseFile:
         finally:
             ep.close()
 
+    def _writer(self) -> None:
+        """Serves the writes the native workers queued (docs/ARCHITECTURE.md, "Reads before
+        writes"), and those of them that need Python, until a pause has emptied the queue."""
+        if self.on_thread is not None:
+            with contextlib.suppress(Exception):
+                self.on_thread()
+        fd = self._fd
+        rbuf = bytearray(MAX_IO + 2 * PAGE)
+        wbuf = bytearray(OUT_HEADER.size + MAX_IO)
+        io = _Worker(fd, rbuf, memoryview(rbuf), wbuf, memoryview(wbuf))
+        while True:
+            n = self.native.serve_writes(fd, rbuf, wbuf, self._stop)
+            if n is None or n < 0:  # no native writes, or paused with the queue empty
+                return
+            self._dispatch_safely(io, n)
+
     def _serve_loop(self, io: _Worker, ep: select.epoll, stop: bytearray,
                     native: NativeServe | None) -> None:
         fd, rbuf, wbuf = io.fd, io.rbuf, io.wbuf
@@ -439,14 +461,17 @@ class FuseFile:
                 return
             if n < IN_HEADER.size:
                 continue
-            try:
-                self._dispatch(io, n)
-            except Exception as exc:  # a bug here must not kill the worker
-                self.stats.errors += 1
-                self.stats.last_error = f"{type(exc).__name__}: {exc}"
-                log.exception("FUSE request failed")
-                unique = IN_HEADER.unpack_from(rbuf, 0)[2]
-                self._reply_error(fd, unique, errno.EIO)
+            self._dispatch_safely(io, n)
+
+    def _dispatch_safely(self, io: _Worker, n: int) -> None:
+        try:
+            self._dispatch(io, n)
+        except Exception as exc:  # a bug here must not kill the worker
+            self.stats.errors += 1
+            self.stats.last_error = f"{type(exc).__name__}: {exc}"
+            log.exception("FUSE request failed")
+            unique = IN_HEADER.unpack_from(io.rbuf, 0)[2]
+            self._reply_error(io.fd, unique, errno.EIO)
 
     def _reply(self, fd: int, unique: int, payload: bytes = b"") -> None:
         try:
@@ -649,6 +674,9 @@ class FuseFile:
 # -- the server's front door ---------------------------------------------------------------------
 
 DEFAULT_THREADS = 4  # >1 so that a request's store call overlaps the next one's syscalls
+# threads that store the writes the native workers queue ("Reads before writes"): at 16
+# sandboxes one was busy all the time and the queue was full for a quarter of the writes
+WRITERS = 2
 
 
 def describe(door: FuseFile | None) -> dict | None:

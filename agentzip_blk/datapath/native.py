@@ -116,6 +116,15 @@ class NativePath:
             return self._path.serve(fd, rbuf, wbuf)
         return self._path.serve(fd, rbuf, wbuf, epfd, stop)
 
+    def serve_writes(self, fd: int, rbuf, wbuf, stop) -> int | None:
+        """The writer thread's loop (docs/ARCHITECTURE.md, "Reads before writes"): serves
+        the writes the workers queued, in order; returns the length of one that needs
+        Python (it is in `rbuf`), or -ECANCELED once stop[0] is set and the queue is empty.
+        None when this store's writes are not served natively (no writer is needed)."""
+        if not self.writes:
+            return None
+        return self._path.serve_writes(fd, rbuf, wbuf, stop)
+
     def pack(self, blobs, gens, slots) -> tuple[int, int, int, int, bool]:
         """The recompressor's pass over warm blobs held by one slot each (store.recompress):
         (switched, raced, kept, bad, room). Takes the store lock itself."""

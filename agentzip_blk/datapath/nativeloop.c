@@ -73,17 +73,19 @@ static void StoreLock_dealloc(StoreLock *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* Python's acquire. The mutex is never held while this thread waits for the GIL: it waits
+ * for the mutex with the GIL released, lets it go at once, and takes it with trylock once it
+ * has the GIL back (again if a native thread was first). Holding it across the GIL's
+ * re-acquisition made every native request wait for whichever Python thread had the GIL:
+ * reads waited 350-410 ms for the lock at density N = 16 while no Python hold was longer
+ * than 41 ms (BENCHMARKS.md, "The store lock's long holds"). */
 static int lock_take(StoreLock *self, int blocking, double timeout) {
     if (pthread_mutex_trylock(&self->mu) == 0)
         goto taken;
     if (!blocking)
         return 0;
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    if (timeout < 0) {
-        rc = pthread_mutex_lock(&self->mu);
-    } else {
-        struct timespec until;
+    struct timespec until;
+    if (timeout >= 0) {
         clock_gettime(CLOCK_REALTIME, &until);
         double whole;
         double frac = modf(timeout, &whole);
@@ -93,11 +95,19 @@ static int lock_take(StoreLock *self, int blocking, double timeout) {
             until.tv_sec += 1;
             until.tv_nsec -= 1000000000L;
         }
-        rc = pthread_mutex_timedlock(&self->mu, &until);
     }
-    Py_END_ALLOW_THREADS
-    if (rc != 0)
-        return 0;
+    for (;;) {
+        int rc;
+        Py_BEGIN_ALLOW_THREADS
+        rc = timeout < 0 ? pthread_mutex_lock(&self->mu) : pthread_mutex_timedlock(&self->mu, &until);
+        if (rc == 0)
+            pthread_mutex_unlock(&self->mu);
+        Py_END_ALLOW_THREADS
+        if (rc != 0)
+            return 0;
+        if (pthread_mutex_trylock(&self->mu) == 0)
+            goto taken;
+    }
 taken:
     atomic_store(&self->held, 1);
     return 1;
@@ -169,6 +179,33 @@ typedef struct {
     atomic_ullong sum_ns;
 } Histogram;
 
+/* The write queue (docs/ARCHITECTURE.md, "Reads before writes"). A worker that reads a WRITE
+ * from /dev/fuse copies it here and goes back to read(2) at once; the writer threads
+ * (serve_writes) take the queued writes in the order they were read and store them. Without
+ * it a READ waits behind every WRITE the workers hold: a write costs its pages' compression
+ * (~0.3-1 ms), a read ~50 us, and at density N = 16 the loop device saw reads wait 1.3 ms on
+ * average behind 100+ writes in flight (BENCHMARKS.md). Only writes of up to WQ_PAGES pages
+ * queue; larger ones, and any write while the queue is full or no writer runs, are served
+ * by the worker that read them, as before. Two writes in flight at once have no order on a
+ * block device, so two writers are as correct as the workers were. The buffers are mapped
+ * and populated at start: nothing on the swap-out path allocates. */
+#define WQ_SLOTS 32
+#define WQ_PAGES 32
+#define WQ_BYTES (IN_HEADER + RW_IN + WQ_PAGES * PAGE)
+
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t queued; /* a write was queued */
+    uint8_t *buf;          /* WQ_SLOTS buffers of WQ_BYTES */
+    ssize_t len[WQ_SLOTS];
+    int order[WQ_SLOTS];   /* the buffers queued, oldest at head */
+    int head, count;
+    int unused[WQ_SLOTS];  /* the buffers neither queued nor being served */
+    int nunused;
+    int writers;           /* writer threads in serve_writes: 0, nothing is queued */
+    atomic_ullong queued_total, inline_total;
+} WriteQueue;
+
 typedef struct {
     PyObject_HEAD
     StoreLock *lock;
@@ -188,6 +225,7 @@ typedef struct {
     StoreCounters c;
     atomic_ullong handed_up, in_flight, reply_errors;
     Histogram read_latency, write_latency;
+    WriteQueue wq;
     /* the recompressor's packer (one caller at a time: pack_mu) */
     pthread_mutex_t pack_mu;
     ZSTD_CCtx *pack_cctx;
@@ -208,6 +246,10 @@ static void Path_dealloc(Path *self) {
         munmap(self->fc.data, (size_t)FRAME_CACHE_ENTRIES * FRAME_BYTES);
     pthread_mutex_destroy(&self->pack_mu);
     pthread_cond_destroy(&self->decoded);
+    if (self->wq.buf)
+        munmap(self->wq.buf, (size_t)WQ_SLOTS * WQ_BYTES);
+    pthread_mutex_destroy(&self->wq.mu);
+    pthread_cond_destroy(&self->wq.queued);
     Py_XDECREF(self->lock);
     Py_XDECREF(self->keep);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -253,6 +295,15 @@ static int Path_init(Path *self, PyObject *args, PyObject *kw) {
     pthread_cond_init(&self->decoded, NULL);
     pthread_mutex_init(&self->pack_mu, NULL);
     self->pack_cctx = NULL;
+    memset(&self->wq, 0, sizeof self->wq);
+    pthread_mutex_init(&self->wq.mu, NULL);
+    pthread_cond_init(&self->wq.queued, NULL);
+    void *buf = mmap(NULL, (size_t)WQ_SLOTS * WQ_BYTES, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    self->wq.buf = buf == MAP_FAILED ? NULL : buf; /* no buffers: writes are served inline */
+    for (int i = 0; i < WQ_SLOTS; i++)
+        self->wq.unused[i] = i;
+    self->wq.nunused = WQ_SLOTS;
     return 0;
 }
 
@@ -709,6 +760,89 @@ static int serve_write(Path *self, int fd, const uint8_t *r, ssize_t n, uint8_t 
  * returns -ECANCELED before it reads another request once stop[0] is set. So a pause
  * (datapath.fuse.FuseFile.pause, the handover of a restart) finishes the requests already
  * read and takes no new one: those wait in the kernel's queue for the next server. */
+/* A WRITE read by a worker, copied to the write queue: 1, or 0 when the worker serves it
+ * itself (too large, the queue full, no writer running or the path not serving writes). */
+static int queue_write(Path *self, const uint8_t *r, ssize_t n) {
+    WriteQueue *q = &self->wq;
+    if (q->buf == NULL || n > WQ_BYTES || !self->wp.enabled)
+        return 0;
+    pthread_mutex_lock(&q->mu);
+    if (q->writers == 0 || q->nunused == 0) {
+        pthread_mutex_unlock(&q->mu);
+        atomic_fetch_add(&q->inline_total, 1);
+        return 0;
+    }
+    int i = q->unused[--q->nunused];
+    memcpy(q->buf + (size_t)i * WQ_BYTES, r, (size_t)n);
+    q->len[i] = n;
+    q->order[(q->head + q->count) % WQ_SLOTS] = i;
+    q->count++;
+    atomic_fetch_add(&self->in_flight, 1);
+    pthread_cond_signal(&q->queued);
+    pthread_mutex_unlock(&q->mu);
+    atomic_fetch_add(&q->queued_total, 1);
+    return 1;
+}
+
+/* serve_writes(fd, rbuf, wbuf, stop) -> int: a writer thread's loop, without the GIL.
+ * Takes the queued writes in the order they were read; returns the length of one it does
+ * not serve (copied to rbuf, handed up as serve() hands up), or -ECANCELED once `stop` is
+ * set and the queue is empty (a pause: nothing read stays unanswered). */
+static PyObject *Path_serve_writes(Path *self, PyObject *args) {
+    int fd;
+    Py_buffer rb, wb, sb;
+    if (!PyArg_ParseTuple(args, "iw*w*y*", &fd, &rb, &wb, &sb))
+        return NULL;
+    WriteQueue *q = &self->wq;
+    uint8_t *r = rb.buf, *w = wb.buf;
+    const volatile uint8_t *stop = sb.len >= 1 ? sb.buf : NULL;
+    size_t rlen = (size_t)rb.len, wlen = (size_t)wb.len;
+    ssize_t result = -ECANCELED;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&q->mu);
+    q->writers++;
+    for (;;) {
+        if (q->count == 0) {
+            if (stop == NULL || *stop)
+                break; /* paused, and nothing queued: no worker queues once writers is 0 */
+            struct timespec until; /* a pause sets `stop` without a signal: look again soon */
+            clock_gettime(CLOCK_REALTIME, &until);
+            until.tv_nsec += 50 * 1000 * 1000;
+            if (until.tv_nsec >= 1000000000L) {
+                until.tv_sec += 1;
+                until.tv_nsec -= 1000000000L;
+            }
+            pthread_cond_timedwait(&q->queued, &q->mu, &until);
+            continue;
+        }
+        int i = q->order[q->head];
+        q->head = (q->head + 1) % WQ_SLOTS;
+        q->count--;
+        ssize_t n = q->len[i];
+        uint8_t *req = q->buf + (size_t)i * WQ_BYTES;
+        pthread_mutex_unlock(&q->mu); /* buffer i is this thread's until it is unused again */
+        int served = serve_write(self, fd, req, n, w, wlen) == SERVED;
+        if (!served && (size_t)n <= rlen)
+            memcpy(r, req, (size_t)n);
+        pthread_mutex_lock(&q->mu);
+        q->unused[q->nunused++] = i;
+        atomic_fetch_sub(&self->in_flight, 1);
+        if (!served) {
+            result = (size_t)n <= rlen ? n : -EMSGSIZE;
+            break;
+        }
+    }
+    q->writers--;
+    pthread_mutex_unlock(&q->mu);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&rb);
+    PyBuffer_Release(&wb);
+    PyBuffer_Release(&sb);
+    if (result >= 0)
+        atomic_fetch_add(&self->handed_up, 1);
+    return PyLong_FromSsize_t(result);
+}
+
 static PyObject *Path_serve(Path *self, PyObject *args) {
     int fd, epfd = -1;
     Py_buffer rb, wb, sb = {0};
@@ -747,6 +881,8 @@ static PyObject *Path_serve(Path *self, PyObject *args) {
         if (n >= IN_HEADER)
             memcpy(&opcode, r + 4, 4);
         if (opcode == FUSE_READ && serve_read(self, fd, r, n, w, wlen) == SERVED)
+            continue;
+        if (opcode == FUSE_WRITE && queue_write(self, r, n))
             continue;
         if (opcode == FUSE_WRITE && serve_write(self, fd, r, n, w, wlen) == SERVED)
             continue;
@@ -886,7 +1022,7 @@ static PyObject *Path_counters(Path *self, PyObject *unused) {
     StoreCounters *c = &self->c;
 #define U(x) (unsigned long long)atomic_load(&(x))
     return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsNsNsN}",
+        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsNsNsN}",
         "reads", U(c->reads), "pages_read", U(c->pages_read), "bytes_read", U(c->bytes_read),
         "writes", U(c->writes), "pages_written", U(c->pages_written),
         "bytes_written", U(c->bytes_written), "dedup_hits", U(c->dedup_hits),
@@ -901,6 +1037,7 @@ static PyObject *Path_counters(Path *self, PyObject *unused) {
         "frame_cache_waits", (unsigned long long)self->fc.waits,
         "frame_cache_bytes", (unsigned long long)frame_cache_bytes(&self->fc),
         "in_flight", U(self->in_flight), "reply_errors", U(self->reply_errors),
+        "writes_queued", U(self->wq.queued_total), "writes_inline", U(self->wq.inline_total),
         "handed_up_by", reasons, "read_latency", histogram(self, &self->read_latency),
         "write_latency", histogram(self, &self->write_latency));
 #undef U
@@ -917,6 +1054,8 @@ static PyMethodDef Path_methods[] = {
     {"set_writes", (PyCFunction)(void (*)(void))Path_set_writes, METH_VARARGS | METH_KEYWORDS,
      "set_writes(enabled, dedup, seed, hot_ticks, reclaim_bytes, max_blobs, doorbell, dense, frame_pages, level), under the lock"},
     {"serve", (PyCFunction)Path_serve, METH_VARARGS, "serve(fd, rbuf, wbuf[, epfd, stop]) -> int"},
+    {"serve_writes", (PyCFunction)Path_serve_writes, METH_VARARGS,
+     "serve_writes(fd, rbuf, wbuf, stop) -> int: a writer thread's loop"},
     {"set_packing", (PyCFunction)Path_set_packing, METH_VARARGS, "set_packing(frame_pages, level)"},
     {"pack", (PyCFunction)Path_pack, METH_VARARGS,
      "pack(blobs, gens, slots) -> (switched, raced, kept, bad, room); takes the lock itself"},

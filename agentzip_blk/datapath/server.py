@@ -157,6 +157,8 @@ class Server:
         self.protection.core_dumps = protect.forbid_core_dumps()
         if self.protection.core_dumps is not None:
             _say(f"agentzip: core dumps not forbidden: {self.protection.core_dumps}")
+        if not protect.bound_malloc():
+            _say("agentzip: mallopt refused a setting: freed memory may stay locked in malloc")
         # mlockall is undone by fork(): lock again in the process that serves.
         self.protection.memory_locked = protect.lock_memory()
         protect.require_locked(self.protection.memory_locked, self.config.pool.swap_out_path)
@@ -647,7 +649,8 @@ class Server:
             out["native_packs_served"] = self.native.packs
             for key in ("reads", "pages_read", "bytes_read", "writes", "pages_written",
                         "bytes_written", "packed_pages", "frame_cache_hits",
-                        "frame_cache_misses", "handed_up", "handed_up_by", "reply_errors"):
+                        "frame_cache_misses", "handed_up", "handed_up_by", "reply_errors",
+                        "writes_queued", "writes_inline"):
                 out[f"native_{key}"] = counters[key]
         return out
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import xxhash
@@ -62,6 +63,18 @@ _MASK64 = (1 << 64) - 1
 COUNT, TOMBSTONES, UNINDEXED, STARVED = 0, 1, 2, 3
 
 HashFn = Callable[[memoryview], tuple[int, int]]
+
+
+@dataclass
+class Resize:
+    """A new table laid out without the store lock (`DedupIndex.plan`), for `adopt`."""
+    fps: np.ndarray
+    vals: np.ndarray
+    seen_fps: np.ndarray  # the table it was laid out from, as copied under the lock
+    seen_vals: np.ndarray
+    moved_to: np.ndarray  # each seen position's entry's position in the new table, or -1
+    left_out: int  # seen entries too far from their home in the new table (not indexed)
+    table: int  # which arrays of the index were seen (DedupIndex._set counts them)
 
 
 class PageHasher:
@@ -173,6 +186,7 @@ class DedupIndex:
 
     def _set(self, fps: np.ndarray, vals: np.ndarray) -> None:
         self._fps, self._vals = fps, vals
+        self._table = getattr(self, "_table", 0) + 1  # which arrays a `Resize` was seen from
         # Probes go through memoryviews: indexing one yields a Python int (~30 ns), indexing
         # the numpy array a numpy scalar (~100 ns), and a probe is a Python loop.
         self._fpv, self._valv = memoryview(fps), memoryview(vals)
@@ -325,39 +339,82 @@ class DedupIndex:
 
     @classmethod
     def prepare(cls, capacity: int) -> tuple[np.ndarray, np.ndarray]:
-        """New, empty arrays, their pages written now: the maintainer calls this without the
-        store lock, so the memory is there before `adopt` holds it."""
+        """New, empty arrays, their pages written now (before anyone holds the store lock
+        for them)."""
         fps, vals = cls._arrays(capacity)
         fps.fill(0)
         vals.fill(0)
         return fps, vals
 
-    def adopt(self, fps: np.ndarray, vals: np.ndarray) -> bool:
-        """Move every entry into the `prepare`d arrays (under the store lock); False, and
-        nothing changed, if they could not hold the entries there are by now."""
-        if self.count + 1 > _MAX_LOAD * len(fps):
-            return False
-        self._rebuild(fps, vals)
+    def seen(self) -> tuple[int, np.ndarray, np.ndarray]:
+        """Under the store lock: a copy of the table, for `plan`."""
+        return self._table, self._fps.copy(), self._vals.copy()
+
+    def plan(self, capacity: int, seen: tuple[int, np.ndarray, np.ndarray]) -> Resize:
+        """Without the store lock: the `seen` entries laid out in a new table of `capacity`
+        positions. Requests change the table meanwhile, and an entry removed since may even
+        read a wrong key (its blob row reused); `adopt` replays every position that changed,
+        so neither reaches the table it installs. (Left: a row freed and reused, its new
+        entry landing on the old one's position with the same value and 16-bit fingerprint
+        in this window, would keep the old key's home: a missed dedup, never wrong bytes.)"""
+        table, seen_fps, seen_vals = seen
+        fps, vals = self.prepare(capacity)
+        where = np.flatnonzero(seen_fps > _TOMBSTONE)
+        pos, near = self._lay_out(seen_vals[where], fps, vals)
+        moved_to = np.full(len(seen_fps), -1, dtype=np.int64)
+        moved_to[where[near]] = pos[near]
+        return Resize(fps, vals, seen_fps, seen_vals, moved_to,
+                      left_out=int(len(where) - near.sum()), table=table)
+
+    def adopt(self, resize: Resize) -> bool:
+        """Under the store lock: the planned table, with what changed since `seen` replayed
+        (the positions that differ: an entry gone is removed from the new table, an entry
+        come is inserted), becomes the index. False, and nothing changed, if it could not
+        hold the entries there are by now. The hold costs a compare of the two tables and a
+        few probes (a rebuild in one hold took up to 132 ms: BENCHMARKS.md, "The store
+        lock's long holds")."""
+        fps, vals = resize.fps, resize.vals
+        if resize.table != self._table or self.count + 1 > _MAX_LOAD * len(fps):
+            return False  # resized meanwhile (inline growth), or too small by now
+        changed = np.flatnonzero((self._fps != resize.seen_fps) | (self._vals != resize.seen_vals))
+        count = int(np.count_nonzero(resize.moved_to >= 0))
+        tombstones = resize.left_out  # positions of entries too far from home (_lay_out)
+        left_out = resize.left_out
+        gone = changed[resize.seen_fps[changed] > _TOMBSTONE]
+        placed = resize.moved_to[gone]
+        fps[placed[placed >= 0]] = _TOMBSTONE
+        count -= int(np.count_nonzero(placed >= 0))
+        tombstones += int(np.count_nonzero(placed >= 0))
+        left_out -= int(np.count_nonzero(placed < 0))
+        come = self._vals[changed[self._fps[changed] > _TOMBSTONE]]
+        keys = self.key_of(come)  # entries in the table now: their rows are theirs
+        self._set(fps, vals)  # the new table from here (the native path rebinds to it)
+        self.count, self._tombstones = count, tombstones
+        for key, value in zip(keys.tolist(), come.tolist()):
+            if not self._place(key, value):
+                left_out += 1
+        self.unindexed += left_out
         self._starved = False
         return True
 
     def _resize(self, capacity: int) -> None:
-        self._rebuild(*self._arrays(capacity))
+        """Inline (no maintainer): the whole table at once."""
+        self.adopt(self.plan(capacity, self.seen()))
 
-    def _rebuild(self, new_fps: np.ndarray, new_vals: np.ndarray) -> None:
-        """Re-place the live entries into new arrays, all at once with numpy: sorted by
-        home, each takes the first position at or after both its home and the previous
-        entry's (linear probing's layout); those run past the end wrap to the first free
-        positions from 0. An entry left more than MAX_PROBE from its home is not indexed;
-        its position becomes a tombstone, not empty: entries placed after it (a later home,
-        so nearer theirs) probe through it, and an empty position would end their run."""
-        live = self._fps > _TOMBSTONE
-        values = self._vals[live]
+    def _lay_out(self, values: np.ndarray, new_fps: np.ndarray,
+                 new_vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Place entries `values` into empty arrays, all at once with numpy: sorted by home,
+        each takes the first position at or after both its home and the previous entry's
+        (linear probing's layout); those run past the end wrap to the first free positions
+        from 0. An entry left more than MAX_PROBE from its home is not indexed; its position
+        becomes a tombstone, not empty: entries placed after it (a later home, so nearer
+        theirs) probe through it, and an empty position would end their run. Returns each
+        entry's position and whether it is indexed there."""
         cap = len(new_fps)
         keys = self.key_of(values).astype(np.uint64)
         homes = ((keys * np.uint64(cap)) >> np.uint64(32)).astype(np.int64)
         order = np.argsort(homes, kind="stable")
-        homes, values, keys = homes[order], values[order], keys[order]
+        homes, keys = homes[order], keys[order]
         n = len(homes)
         ranks = np.arange(n, dtype=np.int64)
         pos = np.maximum.accumulate(homes - ranks) + ranks if n else homes
@@ -371,9 +428,10 @@ class DedupIndex:
         fps = (keys & np.uint64(0xFFFF)).astype(np.int64)
         fps = np.where(fps > _TOMBSTONE, fps, fps + 2)
         new_fps[pos[near]] = fps[near]
-        new_vals[pos[near]] = values[near]
+        new_vals[pos[near]] = values[order][near]
         new_fps[pos[~near]] = _TOMBSTONE  # keeps the runs through it unbroken (docstring)
-        self.unindexed += int(n - near.sum())
-        self.count = int(near.sum())
-        self._tombstones = int(n - near.sum())
-        self._set(new_fps, new_vals)
+        unsorted = np.empty_like(pos)
+        unsorted[order] = pos
+        was_near = np.empty_like(near)
+        was_near[order] = near
+        return unsorted, was_near

@@ -53,7 +53,7 @@ from .placement import Placer, Prepared
 from .pool import Pool
 from .recompress import Recompressor
 from .shared import DropFn, NewFn, SharedTables
-from .slots import BLOB, CHUNK_SLOTS, EMPTY, SAME, TICK_MASK, SlotTable
+from .slots import BLOB, CHUNK_SLOTS, EMPTY, SAME, SCAN_CHUNKS, TICK_MASK, SlotTable
 from .tiering import DEMOTE_CHUNK, REWRITE_CHUNK, Tiering, Tiers
 
 # threading.Lock, or the native path's StoreLock (datapath.nativeloop), which behaves the same
@@ -71,7 +71,10 @@ _FRAME_CACHE_FRAMES = 32
 # s: a frame copy not read for this long is dropped by the maintainer: its readahead burst is
 # over, the kernel holds the pages it read, and the copy would count in stored_mem at rest
 FRAME_CACHE_IDLE = 0.5
-FORGET_CHUNK = 1024  # slots emptied per hold of the store lock by forget_freed
+# slots emptied per hold of the store lock (forget_freed, and the whole pages of a trim or
+# zero): each is a release in Python (~25 us), so 1024 held the lock ~30 ms and a 2 MiB
+# discard ~13 ms (BENCHMARKS.md, "The store lock's long holds")
+RELEASE_CHUNK = 256
 _SNAPSHOT_READERS_WITHIN = 60.0  # s: the maintainer refreshes cached stats read this recently
 # s: and at most this often. The scan holds the store lock (~40 ms per 64Ki pages stored,
 # BENCHMARKS.md): at most once per 2 s however many scrapes come, instead of once per scrape.
@@ -469,16 +472,31 @@ class PageStore:
         return buf
 
     def trim(self, offset: int, length: int) -> None:
+        self._check_range(offset, length)
         with self.lock:
-            self._check_range(offset, length)
             self.counters.trims += 1
-            self._discard(offset, length)
+        self._discard_in_holds(offset, length)
 
     def zero(self, offset: int, length: int) -> None:
+        self._check_range(offset, length)
         with self.lock:
-            self._check_range(offset, length)
             self.counters.zeroes += 1
-            self._discard(offset, length)
+        self._discard_in_holds(offset, length)
+
+    def _discard_in_holds(self, offset: int, length: int) -> None:
+        """RELEASE_CHUNK pages per hold of the store lock: a read beside a trim waits for a
+        share of it, not all of it (the kernel discards a whole 2 MiB cluster at once). A
+        request that overlaps a trim in flight gets no promise from a block device about the
+        order, and each page still ends either before or after."""
+        step = RELEASE_CHUNK * self.page_size
+        end = offset + length
+        while True:
+            part = min(end, (offset // step + 1) * step) - offset
+            with self.lock:
+                self._discard(offset, part)
+            offset += part
+            if offset >= end:
+                return
 
     def flush(self) -> None:
         # Swap is not durable across a restart; the disk tier is written back per request.
@@ -727,27 +745,28 @@ class PageStore:
         kernel = read_map()
         if kernel is None:
             return 0
+        slots = self.slots
+        n = min(len(kernel), self.nslots)
         with self.lock:
-            slots = self.slots
-            n = min(len(kernel), self.nslots)
             chunks = np.flatnonzero((slots.chunk_live > 0) & (slots.chunk_written == 0))
-            chunks = chunks[chunks * CHUNK_SLOTS < n]
-            if not len(chunks):
-                return 0
-            idx = (chunks[:, None] * CHUNK_SLOTS + np.arange(CHUNK_SLOTS)).ravel()
-            idx = idx[idx < n]
-            freed = idx[(slots.kind[idx] != EMPTY) & (kernel[idx] == 0)]
+        chunks = chunks[chunks * CHUNK_SLOTS < n]
         done = 0
-        for start in range(0, len(freed), FORGET_CHUNK):
-            with self.lock:  # a chunk's cluster may have been written meanwhile: skip those
-                part = freed[start : start + FORGET_CHUNK]
-                part = part[(slots.chunk_written[part // CHUNK_SLOTS] == 0)
-                            & (slots.kind[part] != EMPTY)]
-                for run in np.split(part, np.flatnonzero(np.diff(part) != 1) + 1):
-                    if len(run):
-                        self._release_slots(int(run[0]), len(run))
-                self.counters.kernel_freed_pages += len(part)
-                done += len(part)
+        for first in range(0, len(chunks), SCAN_CHUNKS):  # a share of the table per hold
+            with self.lock:
+                part = chunks[first : first + SCAN_CHUNKS]
+                idx = slots.ids_of(part[slots.chunk_written[part] == 0])
+                idx = idx[idx < n]
+                freed = idx[(slots.kind[idx] != EMPTY) & (kernel[idx] == 0)]
+            for start in range(0, len(freed), RELEASE_CHUNK):
+                with self.lock:  # a chunk's cluster may have been written meanwhile: skip those
+                    part = freed[start : start + RELEASE_CHUNK]
+                    part = part[(slots.chunk_written[part // CHUNK_SLOTS] == 0)
+                                & (slots.kind[part] != EMPTY)]
+                    for run in np.split(part, np.flatnonzero(np.diff(part) != 1) + 1):
+                        if len(run):
+                            self._release_slots(int(run[0]), len(run))
+                    self.counters.kernel_freed_pages += len(part)
+                    done += len(part)
         return done
 
     # -- tiers, accounting (the work is in `tiering` and `accounting`) -----------------

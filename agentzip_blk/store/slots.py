@@ -27,6 +27,10 @@ SAME = 1
 BLOB = 2
 
 CHUNK_SLOTS = 512  # slot-table bookkeeping step: one swap cluster
+# Chunks a scan of the table in the background (the maintainer's) reads per hold of the store
+# lock: ~1 ms. The whole table in one hold took 10-57 ms at 560k pages held (density, N = 16),
+# and every request in flight waited it out (BENCHMARKS.md, "The store lock's long holds").
+SCAN_CHUNKS = 128
 # Distinct non-zero same-fill words held at once. A page with a further word is stored as a
 # blob (it compresses to a few bytes): a tenant filling pages with distinct words cannot grow
 # the table, and real heaps hold few such words.

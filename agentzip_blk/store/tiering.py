@@ -30,7 +30,7 @@ from .blobs import DISK, POOL, TAIL_RELEASE_ROWS, WARM
 from .disk import DiskError, DiskFull
 from .integrity import Corrupt
 from .pool import PoolFull
-from .slots import BLOB
+from .slots import BLOB, SCAN_CHUNKS
 
 if TYPE_CHECKING:
     from .parts import StoreParts
@@ -41,19 +41,24 @@ FRAGMENTATION_TRIGGER = 0.20  # compact when this share of arena bytes holds no 
 MIN_COMPACT_BYTES = 1 << 20
 DEMOTE_CHUNK = 512  # blobs moved per lock hold, so requests wait at most one chunk
 # cells compaction moves per lock hold: a whole class at once held the lock for tens of ms
-# under churn, which every request in flight waited out (BENCHMARKS.md, "Compaction chunks")
-COMPACT_CHUNK = 256
-# Sparse frames rewritten per lock hold: each costs a scan share, a decompression and a
-# compression (measured: 64 frames of 16 pages in 36 ms), so requests wait ~10 ms at most.
+# under churn, which every request in flight waited out (BENCHMARKS.md, "Compaction chunks");
+# 256 still held it up to 18 ms at density N = 16 ("The store lock's long holds")
+COMPACT_CHUNK = 64
+# blob rows a background scan of the blob table reads per hold of the store lock (~1 ms)
+SCAN_ROWS = 1 << 16
+# Sparse frames switched per lock hold (each decoded and compressed again before, without
+# the lock), and chunks of them per maintenance round, all picked in one scan of the slots.
 REWRITE_CHUNK = 16
-REWRITE_ROUNDS = 8  # lock holds per maintenance round
+REWRITE_ROUNDS = 8
 # chunks of returned blobs demoted per maintenance round, from one scan of the slot table
 # (under the lock): a round does a bounded share and the next round goes on
 RETURNED_ROUNDS = 8
 BACKLOG_INTERVAL = 0.05  # s between rounds while the recompressor has work
-# compact_rows: live rows moved down per hold of the store lock, holds per round, and the
-# share of rows handed out over rows in use below which the table is left as it is
+# compact_rows: live rows moved down per scan of the slots, per hold of the store lock (each
+# row's pages re-pointed in the dedup index: 1024 rows held it up to 38 ms), scans per round,
+# and the share of rows handed out over rows in use below which the table is left as it is
 ROW_CHUNK = 1024
+ROW_HOLD = 256
 ROW_ROUNDS = 8
 ROW_SLACK = 1.25
 
@@ -293,30 +298,36 @@ class Tiers:
         pages in memory indefinitely.
 
         Nothing slow under the store lock (issue 27: no tenant slows the others through it):
-        the frames are picked and their stored bytes copied under it, decoded and compressed
-        again without it, and switched under it again only if each is still as picked (the
+        up to `limit` frames are picked (their slots found a share of the table per hold) and
+        their stored bytes copied under it, decoded and compressed again without it, and
+        switched under it again, REWRITE_CHUNK per hold, only if each is still as picked (the
         same generation, held by exactly the slots seen, each still naming the same page)."""
         parts = self.parts
         if parts.frame_pages == 1:
             return 0
         picked = self._pick_sparse(limit)
-        if not picked:
-            return 0
-        rebuilt = [self._rebuild_sparse(p) for p in picked]
         done = 0
-        with parts.lock:
-            for p, new in zip(picked, rebuilt):
-                if new is None or not self._sparse_unchanged(p):
-                    continue
-                try:
-                    done += self._switch_sparse(p, *new)
-                except (StoreFull, DiskError, CodecError):
-                    break  # no room: the frames stay as they are
-            self.counters.frames_rewritten += done
+        for start in range(0, len(picked), REWRITE_CHUNK):
+            chunk = picked[start : start + REWRITE_CHUNK]
+            rebuilt = [self._rebuild_sparse(p) for p in chunk]
+            with parts.lock:
+                switched = 0
+                for p, new in zip(chunk, rebuilt):
+                    if new is None or not self._sparse_unchanged(p):
+                        continue
+                    try:
+                        switched += self._switch_sparse(p, *new)
+                    except (StoreFull, DiskError, CodecError):
+                        self.counters.frames_rewritten += switched
+                        return done + switched  # no room: the frames stay as they are
+                self.counters.frames_rewritten += switched
+            done += switched
         return done
 
     def _pick_sparse(self, limit: int) -> list[_Sparse]:
-        """Under the lock: up to `limit` sparse pool frames, with their slots and bytes."""
+        """Up to `limit` sparse pool frames, with their slots and bytes, as they were under
+        the lock at the end. A frame whose slots changed while the table was scanned is left
+        for a later round."""
         parts, slots, blobs = self.parts, self.parts.slots, self.objects.blobs
         with parts.lock:
             n = blobs.capacity
@@ -325,19 +336,45 @@ class Tiers:
                                     & (2 * ref <= blobs.pages[:n]))[:limit]
             if not len(sparse):
                 return []
-            held = slots.blob_slots()
-            held = held[np.isin(slots.handle[held], sparse.astype(np.uint64))]
-            slots_of: dict[int, list[int]] = {}
-            for slot in held.tolist():
-                slots_of.setdefault(int(slots.handle[slot]), []).append(slot)
-            return [_Sparse(blob, int(blobs.gen[blob]), frame_slots,
-                            [int(slots.sub[s]) for s in frame_slots],
-                            self.pool.get(int(blobs.arena[blob]), int(blobs.cell[blob]),
-                                          int(blobs.length[blob])),
-                            int(blobs.codec[blob]), int(blobs.dict_id[blob]),
-                            int(blobs.pages[blob]), int(blobs.csum[blob]),
-                            int(blobs.atime[blob]), int(blobs.rtime[blob]))
-                    for blob, frame_slots in slots_of.items()]
+            gens = dict(zip(sparse.tolist(), blobs.gen[sparse].tolist()))
+        slots_of = self._slots_of(sparse)
+        picked = []
+        with parts.lock:
+            for blob, seen in slots_of.items():
+                if (int(blobs.gen[blob]) != gens[blob] or blobs.tier[blob] != POOL
+                        or 2 * int(blobs.ref[blob]) > int(blobs.pages[blob])
+                        or not self._named_only_by(blob, seen)):
+                    continue
+                picked.append(_Sparse(
+                    blob, gens[blob], seen, [int(slots.sub[s]) for s in seen],
+                    self.pool.get(int(blobs.arena[blob]), int(blobs.cell[blob]),
+                                  int(blobs.length[blob])),
+                    int(blobs.codec[blob]), int(blobs.dict_id[blob]), int(blobs.pages[blob]),
+                    int(blobs.csum[blob]), int(blobs.atime[blob]), int(blobs.rtime[blob])))
+        return picked
+
+    def _slots_of(self, rows: np.ndarray) -> dict[int, list[int]]:
+        """The slots that name each of the blob `rows`, the table read SCAN_CHUNKS chunks per
+        hold of the store lock. Requests run between holds, so a slot may have moved to or
+        from one of the rows meanwhile: what this returns is a candidate, checked under the
+        lock by the caller."""
+        parts, slots = self.parts, self.parts.slots
+        with parts.lock:
+            chunks = np.flatnonzero(slots.chunk_live)
+        wanted = np.zeros(int(rows.max()) + 1, dtype=bool)
+        wanted[rows] = True
+        found: dict[int, list[int]] = {}
+        for start in range(0, len(chunks), SCAN_CHUNKS):
+            with parts.lock:
+                idx = slots.ids_of(chunks[start : start + SCAN_CHUNKS])
+                idx = idx[slots.kind[idx] == BLOB]
+                handles = slots.handle[idx].astype(np.int64)
+            inside = handles < len(wanted)
+            hit = np.zeros(len(idx), dtype=bool)
+            hit[inside] = wanted[handles[inside]]
+            for slot, blob in zip(idx[hit].tolist(), handles[hit].tolist()):
+                found.setdefault(blob, []).append(slot)
+        return found
 
     def _rebuild_sparse(self, p: _Sparse):
         """Without the lock: the frame's live pages, their hashes and their new frame (None
@@ -417,9 +454,17 @@ class Tiers:
             if not sources:
                 return 0
             pool.evacuate(sources)
-            movers = self._in_arenas(np.arange(blobs.capacity), sources)
         moved = 0
         try:
+            found, start = [], 0
+            while True:  # SCAN_ROWS rows per hold: the blobs in the sources only go, none come
+                with lock:
+                    end = min(start + SCAN_ROWS, blobs.capacity)
+                    if start >= end:
+                        break
+                    found.append(self._in_arenas(np.arange(start, end), sources))
+                start = end
+            movers = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
             for start in range(0, len(movers), COMPACT_CHUNK):
                 with lock:
                     sources = pool.still_evacuating(sources)
@@ -439,8 +484,12 @@ class Tiers:
     def _in_arenas(self, ids: np.ndarray, arenas: list[int]) -> np.ndarray:
         """Those of blob rows `ids` that are live pool blobs in one of `arenas`."""
         blobs = self.objects.blobs
-        return ids[(blobs.ref[ids] > 0) & (blobs.tier[ids] == POOL)
-                   & np.isin(blobs.arena[ids], arenas)]
+        member = np.zeros(max(arenas) + 1, dtype=bool)
+        member[arenas] = True
+        arena = blobs.arena[ids].astype(np.int64)
+        keep = (blobs.ref[ids] > 0) & (blobs.tier[ids] == POOL) & (arena >= 0) & (arena < len(member))
+        keep[keep] = member[arena[keep]]
+        return ids[keep]
 
     def _move_cells(self, movers: list[int]) -> int:
         """Each blob's cell copied to a cell outside the evacuated arenas (under the lock)."""
@@ -462,15 +511,17 @@ class Tiers:
 
     def resize_index(self) -> bool:
         """Give the dedup index the capacity it wants (dedup.DedupIndex.wanted): the new
-        table is allocated and written without the store lock, then filled under it."""
+        table is laid out without the store lock from a copy of the old, then what changed
+        since the copy is replayed into it under the lock."""
         parts = self.parts
         with parts.lock:
             capacity = parts.index.wanted()
-        if capacity is None:
-            return False
-        arrays = parts.index.prepare(capacity)
+            if capacity is None:
+                return False
+            seen = parts.index.seen()
+        resize = parts.index.plan(capacity, seen)
         with parts.lock:
-            return parts.index.adopt(*arrays)
+            return parts.index.adopt(resize)
 
     def grow_blob_table(self) -> bool:
         """Grow the blob table ahead of need, the same way (blobs.BlobTable.wanted), so that
@@ -486,8 +537,9 @@ class Tiers:
 
     def compact_rows(self) -> int:
         """Give back the blob table's top: live pool rows above the rows in use are moved
-        down into free ones (Objects.renumber; their slots re-pointed), ROW_CHUNK per hold
-        of the store lock, then the free top is released (BlobTable.release_tail). Warm
+        down into free ones (Objects.renumber; their slots re-pointed), ROW_CHUNK per scan
+        of the slots (`_slots_of`) and ROW_HOLD per hold of the store lock, then the free
+        top is released (BlobTable.release_tail). Warm
         pages take a row each and their frames one per 16, wherever the free rows were, so
         without this the table keeps the rows of a burst long after it was packed."""
         parts, blobs, slots = self.parts, self.objects.blobs, self.parts.slots
@@ -502,21 +554,36 @@ class Tiers:
                 # invalidate the recompressor's queue, which names them by row)
                 above = above[(blobs.tier[above] == POOL) & (blobs.form[above] != WARM)]
                 above = above[-ROW_CHUNK:]
-                moved = self.objects.renumber(above.tolist())
-                if not moved:
+                if not len(above):
                     break
-                old = np.fromiter(moved.keys(), dtype=np.int64, count=len(moved))
-                new = np.fromiter(moved.values(), dtype=np.int64, count=len(moved))
-                held = slots.blob_slots()
-                handles = slots.handle[held].astype(np.int64)
-                hit = np.isin(handles, old)
-                order = np.argsort(old)
-                slots.handle[held[hit]] = new[order][np.searchsorted(old[order], handles[hit])]
-                blobs.relink()
-                moved_total += len(moved)
+                gens = dict(zip(above.tolist(), blobs.gen[above].tolist()))
+            slots_of = self._slots_of(above)  # without one long hold (SCAN_CHUNKS)
+            candidates = list(gens.items())
+            moved_round = 0
+            for first in range(0, len(candidates), ROW_HOLD):
+                with parts.lock:
+                    # a row whose slots changed during the scan stays where it is this round
+                    ready = [row for row, gen in candidates[first : first + ROW_HOLD]
+                             if int(blobs.gen[row]) == gen and int(blobs.ref[row]) > 0
+                             and self._named_only_by(row, slots_of.get(row, []))]
+                    moved = self.objects.renumber(ready)
+                    for old, new in moved.items():
+                        slots.handle[slots_of[old]] = new
+                    blobs.relink()
+                moved_round += len(moved)
+            if not moved_round:
+                break
+            moved_total += moved_round
         with parts.lock:
             blobs.release_tail()
         return moved_total
+
+    def _named_only_by(self, blob: int, seen: list[int]) -> bool:
+        """Under the lock: `seen` are exactly the slots that name `blob` (its `ref` counts
+        them), as `_slots_of` found them."""
+        slots = self.parts.slots
+        return (int(self.objects.blobs.ref[blob]) == len(seen)
+                and all(slots.kind[s] == BLOB and int(slots.handle[s]) == blob for s in seen))
 
     def grow_arena_books(self) -> bool:
         """The pool's per-arena arrays, ahead of need (pool.Pool.wanted): the native request
@@ -541,15 +608,9 @@ class Tiers:
         return self.pool.allocated_bytes >= self.reclaim_bytes
 
     def rewrite_sparse_rounds(self) -> int:
-        """Up to REWRITE_ROUNDS chunks of sparse frames rewritten, while chunks come full;
-        returns frames rewritten."""
-        rewritten = 0
-        for _ in range(REWRITE_ROUNDS):
-            done = self.rewrite_sparse_frames()
-            rewritten += done
-            if done < REWRITE_CHUNK:
-                break
-        return rewritten
+        """Up to REWRITE_ROUNDS chunks of sparse frames rewritten, picked in one scan; returns
+        frames rewritten."""
+        return self.rewrite_sparse_frames(REWRITE_CHUNK * REWRITE_ROUNDS)
 
     def reclaim(self) -> int:
         """Demote the coldest blobs while the pool is above its reclaim threshold, down to

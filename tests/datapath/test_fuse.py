@@ -290,6 +290,9 @@ def test_concurrent_overlapping_requests_match_a_model(tmp_path, datapath, warm)
             assert served["native_reply_errors"] == 0
             # writes of whole pages too: warm pages alone with lz4, frames at once without
             assert served["native_writes_served"] and served["native_writes"] > 0
+            # the workers queued writes for the writer thread (reads before writes), and
+            # the writes it could not serve went up to Python like the workers' do
+            assert served["native_writes_queued"] > 0
         assert stats["latency"]["read"]["count"] == door["reads"]
         # the door's punches and zero-ranges go through Server.trim/zero, timed like the rest
         latency = stats["latency"]

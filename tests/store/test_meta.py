@@ -111,12 +111,58 @@ def test_a_rebuilt_index_finds_every_entry(keys, capacity, high):
     index = k.index
     assert index.count + index.unindexed == len(keys)
     for new_cap in (max(16, int(index.count / 0.65) + 1), index.capacity * 3):
-        assert index.adopt(*DedupIndex.prepare(new_cap))
+        assert index.adopt(index.plan(new_cap, index.seen()))
         assert index.count + index.unindexed == len(keys)
         found = sum(value in index.candidates(key) for value, key in enumerate(keys))
         assert found == index.count
         assert found >= len(keys) - index.unindexed
     for value, key in enumerate(keys):
+        index.remove(key, value)
+    assert index.count == 0 and index.unindexed == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(2, (1 << 32) - 1), min_size=1, max_size=400),
+       st.lists(st.tuples(st.sampled_from(["insert", "remove", "repoint"]),
+                          st.integers(0, 10**6), st.integers(2, (1 << 32) - 1)), max_size=200),
+       st.floats(0.3, 3.0))
+def test_a_resize_laid_out_without_the_lock_keeps_what_changed_meanwhile(keys, changes, scale):
+    """The maintainer lays the new table out from a copy (`plan`, no store lock); inserts,
+    removes and repoints land on the old table meanwhile; `adopt` replays them. Afterwards
+    exactly the live entries are found under their keys, and count + unindexed is the number
+    of live entries."""
+    k = KeyedIndex(16)
+    for value, key in enumerate(keys):
+        k.insert(key, value)
+    index = k.index
+    index.hand_growth_to(lambda: None)  # a maintainer resizes from now on, as in a server
+    live = dict(k.keys)
+    capacity = max(16, int(max(index.count, 1) * scale / 0.5))
+    resize = index.plan(capacity, index.seen())
+    next_value = len(keys)
+    for op, pick, key in changes:  # requests between the copy and the adopt
+        if op == "insert" or not live:
+            k.insert(key, next_value)
+            live[next_value] = key
+            next_value += 1
+        elif op == "remove":
+            value = sorted(live)[pick % len(live)]
+            index.remove(live.pop(value), value)
+            del k.keys[value]
+        else:  # a blob moved to another row: same key, another value
+            old = sorted(live)[pick % len(live)]
+            key = live.pop(old)
+            k.keys[next_value] = key
+            index.repoint(key, old, next_value)
+            live[next_value] = key
+            next_value += 1
+    if not index.adopt(resize):
+        assert index.count + 1 > 0.7 * capacity  # too small for what came meanwhile
+        return
+    assert index.count + index.unindexed == len(live)
+    found = sum(value in index.candidates(key) for value, key in live.items())
+    assert found == index.count
+    for value, key in live.items():
         index.remove(key, value)
     assert index.count == 0 and index.unindexed == 0
 
@@ -201,3 +247,15 @@ def test_cli_refuses_a_size_beyond_the_ids_before_starting_anything(tmp_path):
     assert one_error_line(res.stderr) == (
         "--size: '1T' is too large (at most 512G: the store names pages with 32-bit ids)")
     assert not run_dir.exists()  # nothing was set up
+
+
+def test_a_resize_planned_on_arrays_replaced_since_is_not_adopted():
+    k = KeyedIndex(16)
+    for value in range(8):
+        k.insert(1000 + value, value)
+    index = k.index
+    resize = index.plan(64, index.seen())
+    index._resize(128)  # another resize meanwhile (inline growth)
+    assert not index.adopt(resize)
+    assert index.capacity == 128 and index.count == 8
+    assert all(value in index.candidates(1000 + value) for value in range(8))
