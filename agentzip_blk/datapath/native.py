@@ -117,7 +117,7 @@ class NativePath:
         return self._path.serve(fd, rbuf, wbuf, epfd, stop)
 
     def serve_writes(self, fd: int, rbuf, wbuf, stop) -> int | None:
-        """The writer thread's loop (docs/ARCHITECTURE.md, "Reads before writes"): serves
+        """A writer thread's loop (docs/ARCHITECTURE.md, "Reads before writes"): serves
         the writes the workers queued, in order; returns the length of one that needs
         Python (it is in `rbuf`), or -ECANCELED once stop[0] is set and the queue is empty.
         None when this store's writes are not served natively (no writer is needed)."""

@@ -54,10 +54,20 @@
 
 /* -- StoreLock ------------------------------------------------------------------------ */
 
+static double monotonic_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
 typedef struct {
     PyObject_HEAD
     pthread_mutex_t mu;
     atomic_int held; /* for locked(): a moment's view */
+    /* Python's turns: tickets, served in order (lock_take says why) */
+    pthread_mutex_t turn_mu;
+    pthread_cond_t turn_cv;
+    uint64_t next, serving;
 } StoreLock;
 
 static int StoreLock_init(StoreLock *self, PyObject *args, PyObject *kw) {
@@ -65,49 +75,84 @@ static int StoreLock_init(StoreLock *self, PyObject *args, PyObject *kw) {
         return -1;
     pthread_mutex_init(&self->mu, NULL);
     atomic_store(&self->held, 0);
+    pthread_mutex_init(&self->turn_mu, NULL);
+    pthread_cond_init(&self->turn_cv, NULL);
+    self->next = self->serving = 0;
     return 0;
 }
 
 static void StoreLock_dealloc(StoreLock *self) {
     pthread_mutex_destroy(&self->mu);
+    pthread_mutex_destroy(&self->turn_mu);
+    pthread_cond_destroy(&self->turn_cv);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* Python's acquire. The mutex is never held while this thread waits for the GIL: it waits
- * for the mutex with the GIL released, lets it go at once, and takes it with trylock once it
- * has the GIL back (again if a native thread was first). Holding it across the GIL's
+/* The mutex once it is this Python thread's turn, without ever holding it while waiting for
+ * the GIL: wait for it with the GIL released, let it go at once, take it with trylock once
+ * the GIL is back (again if a native thread was first). Holding it across the GIL's
  * re-acquisition made every native request wait for whichever Python thread had the GIL:
  * reads waited 350-410 ms for the lock at density N = 16 while no Python hold was longer
- * than 41 ms (BENCHMARKS.md, "The store lock's long holds"). */
+ * than 41 ms (BENCHMARKS.md, "Reads before writes"). */
+static void mutex_without_gil_wait(StoreLock *self) {
+    for (;;) {
+        if (pthread_mutex_trylock(&self->mu) == 0)
+            return;
+        Py_BEGIN_ALLOW_THREADS
+        pthread_mutex_lock(&self->mu);
+        pthread_mutex_unlock(&self->mu);
+        Py_END_ALLOW_THREADS
+    }
+}
+
+/* Python's acquire. Python threads take turns in the order they asked (a ticket each):
+ * a thread that let the mutex go to wait for the GIL would otherwise lose it to a Python
+ * thread that releases and retakes it in a loop (the maintainer's holds in shares), for
+ * as long as the loop runs (`down`'s health check timed out after a density trial).
+ * Native threads do not take turns: they take the mutex itself, for microseconds.
+ * A timed or non-blocking acquire does not queue: it succeeds only when no Python thread
+ * holds or waits for the lock (nothing in the project asks for one). */
 static int lock_take(StoreLock *self, int blocking, double timeout) {
-    if (pthread_mutex_trylock(&self->mu) == 0)
+    pthread_mutex_lock(&self->turn_mu); /* held for a few instructions, never across a wait */
+    if (self->next == self->serving && pthread_mutex_trylock(&self->mu) == 0) {
+        self->next++;
+        pthread_mutex_unlock(&self->turn_mu);
         goto taken;
-    if (!blocking)
-        return 0;
-    struct timespec until;
-    if (timeout >= 0) {
-        clock_gettime(CLOCK_REALTIME, &until);
-        double whole;
-        double frac = modf(timeout, &whole);
-        until.tv_sec += (time_t)whole;
-        until.tv_nsec += (long)(frac * 1e9);
-        if (until.tv_nsec >= 1000000000L) {
-            until.tv_sec += 1;
-            until.tv_nsec -= 1000000000L;
+    }
+    if (!blocking || timeout >= 0) {
+        pthread_mutex_unlock(&self->turn_mu);
+        if (!blocking)
+            return 0;
+        double until = monotonic_now() + timeout;
+        for (;;) {
+            int ok = 0;
+            Py_BEGIN_ALLOW_THREADS
+            usleep(1000);
+            pthread_mutex_lock(&self->turn_mu);
+            if (self->next == self->serving && pthread_mutex_trylock(&self->mu) == 0) {
+                self->next++;
+                ok = 1;
+            }
+            pthread_mutex_unlock(&self->turn_mu);
+            Py_END_ALLOW_THREADS
+            if (ok)
+                goto taken;
+            if (monotonic_now() >= until)
+                return 0;
         }
     }
-    for (;;) {
-        int rc;
+    uint64_t ticket = self->next++;
+    if (self->serving == ticket) {
+        pthread_mutex_unlock(&self->turn_mu);
+    } else {
         Py_BEGIN_ALLOW_THREADS
-        rc = timeout < 0 ? pthread_mutex_lock(&self->mu) : pthread_mutex_timedlock(&self->mu, &until);
-        if (rc == 0)
-            pthread_mutex_unlock(&self->mu);
+        while (self->serving != ticket)
+            pthread_cond_wait(&self->turn_cv, &self->turn_mu);
+        /* let turn_mu go before the GIL is waited for: lock_give takes it holding the GIL */
+        pthread_mutex_unlock(&self->turn_mu);
         Py_END_ALLOW_THREADS
-        if (rc != 0)
-            return 0;
-        if (pthread_mutex_trylock(&self->mu) == 0)
-            goto taken;
     }
+    mutex_without_gil_wait(self);
 taken:
     atomic_store(&self->held, 1);
     return 1;
@@ -116,6 +161,10 @@ taken:
 static void lock_give(StoreLock *self) {
     atomic_store(&self->held, 0);
     pthread_mutex_unlock(&self->mu);
+    pthread_mutex_lock(&self->turn_mu);
+    self->serving++;
+    pthread_cond_broadcast(&self->turn_cv);
+    pthread_mutex_unlock(&self->turn_mu);
 }
 
 static PyObject *StoreLock_acquire(StoreLock *self, PyObject *args, PyObject *kw) {

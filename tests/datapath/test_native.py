@@ -330,6 +330,47 @@ def test_the_lock_excludes_native_threads_while_python_holds_it(served):
         store.lock.release()
 
 
+def test_python_threads_take_turns_for_the_lock_while_a_loop_retakes_it():
+    """A Python thread that waits for the store lock gets it while another Python thread
+    releases and retakes it in a loop (the maintainer's holds in shares): `down`'s health
+    check once timed out behind such a loop. And a native thread never waits for the GIL
+    of a Python thread that is still waiting its turn."""
+    if native.nativeloop is None:
+        pytest.skip(native.MISSING)
+    lock = native.nativeloop.StoreLock()
+    stop = threading.Event()
+    holds = [0]
+
+    def loop() -> None:
+        while not stop.is_set():
+            with lock:
+                holds[0] += 1
+                sum(range(300))  # a hold long enough to lose the GIL in
+
+    waited: list[float] = []
+
+    def wait_once() -> None:
+        t = time.monotonic()
+        with lock:
+            waited.append(time.monotonic() - t)
+
+    looper = threading.Thread(target=loop)
+    looper.start()
+    try:
+        time.sleep(0.2)
+        waiters = [threading.Thread(target=wait_once) for _ in range(3)]
+        for w in waiters:
+            w.start()
+        for w in waiters:
+            w.join(10)
+        assert len(waited) == 3 and max(waited) < 2.0, waited
+        assert holds[0] > 0
+    finally:
+        stop.set()
+        looper.join(10)
+    assert not lock.locked()
+
+
 def test_datapath_native_without_the_extension_is_refused_in_one_line(monkeypatch):
     monkeypatch.setattr(native, "nativeloop", None)
     monkeypatch.setattr(native, "MISSING", "the native request path is not built (test)")
