@@ -359,6 +359,12 @@ class FuseFile:
             return
         if _is_mountpoint(self.mountpoint) and not unmount(self.mountpoint):
             unmount(self.mountpoint, lazy=True)
+        # the writers end only on the stop byte (their queue has no end of file); the
+        # workers end on it too, or on ENODEV
+        self._stop[0] = 1
+        if self._wake is not None:
+            with contextlib.suppress(OSError):
+                os.eventfd_write(self._wake, 1)
         deadline = time.monotonic() + timeout
         for t in self._workers:
             t.join(max(0.0, deadline - time.monotonic()))

@@ -211,3 +211,24 @@ def test_a_pause_answers_every_write_the_native_workers_queued(mnt):
         door.stop()
         close(be)
     assert not mounted(mnt)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_stop_ends_every_thread_the_writers_too_without_an_abort(mnt, path):
+    """The writer threads of the native path's write queue wait on the stop byte, not on
+    /dev/fuse: `stop` (the server's shutdown, after `down`'s swapoff) sets it, so every
+    thread ends and the connection needs no abort."""
+    be = backend(path, os.urandom(MiB))
+    door = FuseFile(mnt, MiB, be[0], threads=2, native=be[1])
+    aborts: list[int] = []
+    door.abort = lambda: aborts.append(1)
+    door.start()
+    try:
+        assert read_page(door.path, 1)
+        door.stop()
+        assert not door.alive, [t.name for t in door._workers if t.is_alive()]
+        assert aborts == []
+    finally:
+        door.stop()
+        close(be)
+    assert not mounted(mnt)
