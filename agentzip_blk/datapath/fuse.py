@@ -396,17 +396,21 @@ class FuseFile:
 
     # -- the worker loop -------------------------------------------------------------------
 
-    def _worker(self) -> None:
+    def _thread_io(self) -> _Worker:
+        """What a serving thread (worker or writer) runs first: `on_thread`, its buffers."""
         if self.on_thread is not None:
             try:
                 self.on_thread()
             except Exception as exc:  # best effort (PR_SET_IO_FLUSHER needs a capability)
                 log.debug("on_thread: %s", exc)
-        self.stats.threads.append(threading.get_native_id())
-        fd = self._fd
         rbuf = bytearray(MAX_IO + 2 * PAGE)
         wbuf = bytearray(OUT_HEADER.size + MAX_IO)
-        io = _Worker(fd, rbuf, memoryview(rbuf), wbuf, memoryview(wbuf))
+        return _Worker(self._fd, rbuf, memoryview(rbuf), wbuf, memoryview(wbuf))
+
+    def _worker(self) -> None:
+        io = self._thread_io()
+        self.stats.threads.append(threading.get_native_id())
+        fd = io.fd
         native = self.native
         stop = self._stop
         ep = select.epoll()
@@ -421,15 +425,9 @@ class FuseFile:
     def _writer(self) -> None:
         """Serves the writes the native workers queued (docs/ARCHITECTURE.md, "Reads before
         writes"), and those of them that need Python, until a pause has emptied the queue."""
-        if self.on_thread is not None:
-            with contextlib.suppress(Exception):
-                self.on_thread()
-        fd = self._fd
-        rbuf = bytearray(MAX_IO + 2 * PAGE)
-        wbuf = bytearray(OUT_HEADER.size + MAX_IO)
-        io = _Worker(fd, rbuf, memoryview(rbuf), wbuf, memoryview(wbuf))
+        io = self._thread_io()
         while True:
-            n = self.native.serve_writes(fd, rbuf, wbuf, self._stop)
+            n = self.native.serve_writes(io.fd, io.rbuf, io.wbuf, self._stop)
             if n is None or n < 0:  # no native writes, or paused with the queue empty
                 return
             self._dispatch_safely(io, n)

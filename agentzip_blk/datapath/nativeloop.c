@@ -54,7 +54,7 @@
 
 /* -- StoreLock ------------------------------------------------------------------------ */
 
-static double monotonic_now(void) {
+static double monotonic(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
@@ -123,7 +123,7 @@ static int lock_take(StoreLock *self, int blocking, double timeout) {
         pthread_mutex_unlock(&self->turn_mu);
         if (!blocking)
             return 0;
-        double until = monotonic_now() + timeout;
+        double until = monotonic() + timeout;
         for (;;) {
             int ok = 0;
             Py_BEGIN_ALLOW_THREADS
@@ -137,7 +137,7 @@ static int lock_take(StoreLock *self, int blocking, double timeout) {
             Py_END_ALLOW_THREADS
             if (ok)
                 goto taken;
-            if (monotonic_now() >= until)
+            if (monotonic() >= until)
                 return 0;
         }
     }
@@ -281,12 +281,6 @@ typedef struct {
     int pack_level, pack_pages;
     atomic_ullong packed, pack_raced, pack_kept, pack_bad;
 } Path;
-
-static double monotonic(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 static void Path_dealloc(Path *self) {
     if (self->pack_cctx)
@@ -802,13 +796,6 @@ static int serve_write(Path *self, int fd, const uint8_t *r, ssize_t n, uint8_t 
     return SERVED;
 }
 
-/* serve(fd, rbuf, wbuf[, epfd, stop]) -> int: serve requests until one needs Python.
- * Returns its length (the request is in rbuf), 0 at end of file, or -errno when read(2)
- * failed. With `epfd` (an epoll set holding the non-blocking /dev/fuse descriptor and a wake
- * eventfd) and `stop` (a one-byte buffer): an empty queue waits in epoll_wait, and the loop
- * returns -ECANCELED before it reads another request once stop[0] is set. So a pause
- * (datapath.fuse.FuseFile.pause, the handover of a restart) finishes the requests already
- * read and takes no new one: those wait in the kernel's queue for the next server. */
 /* A WRITE read by a worker, copied to the write queue: 1, or 0 when the worker serves it
  * itself (too large, the queue full, no writer running or the path not serving writes). */
 static int queue_write(Path *self, const uint8_t *r, ssize_t n) {
@@ -892,6 +879,13 @@ static PyObject *Path_serve_writes(Path *self, PyObject *args) {
     return PyLong_FromSsize_t(result);
 }
 
+/* serve(fd, rbuf, wbuf[, epfd, stop]) -> int: serve requests until one needs Python.
+ * Returns its length (the request is in rbuf), 0 at end of file, or -errno when read(2)
+ * failed. With `epfd` (an epoll set holding the non-blocking /dev/fuse descriptor and a wake
+ * eventfd) and `stop` (a one-byte buffer): an empty queue waits in epoll_wait, and the loop
+ * returns -ECANCELED before it reads another request once stop[0] is set. So a pause
+ * (datapath.fuse.FuseFile.pause, the handover of a restart) finishes the requests already
+ * read and takes no new one: those wait in the kernel's queue for the next server. */
 static PyObject *Path_serve(Path *self, PyObject *args) {
     int fd, epfd = -1;
     Py_buffer rb, wb, sb = {0};

@@ -142,6 +142,7 @@ class DedupIndex:
         self.key_of = key_of
         self.inline_growth = True
         self.wake: Callable[[], None] = lambda: None
+        self._table = 0  # which arrays a `Resize` was seen from: _set counts them
         self._set(*self._arrays(max(16, capacity)))
 
     @property
@@ -186,7 +187,7 @@ class DedupIndex:
 
     def _set(self, fps: np.ndarray, vals: np.ndarray) -> None:
         self._fps, self._vals = fps, vals
-        self._table = getattr(self, "_table", 0) + 1  # which arrays a `Resize` was seen from
+        self._table += 1
         # Probes go through memoryviews: indexing one yields a Python int (~30 ns), indexing
         # the numpy array a numpy scalar (~100 ns), and a probe is a Python loop.
         self._fpv, self._valv = memoryview(fps), memoryview(vals)
@@ -398,8 +399,9 @@ class DedupIndex:
         return True
 
     def _resize(self, capacity: int) -> None:
-        """Inline (no maintainer): the whole table at once."""
-        self.adopt(self.plan(capacity, self.seen()))
+        """Inline (no maintainer, under the lock): nothing changes between the plan and the
+        adopt, so the plan reads the table itself, not a copy."""
+        self.adopt(self.plan(capacity, (self._table, self._fps, self._vals)))
 
     def _lay_out(self, values: np.ndarray, new_fps: np.ndarray,
                  new_vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

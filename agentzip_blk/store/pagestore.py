@@ -753,8 +753,8 @@ class PageStore:
         done = 0
         for first in range(0, len(chunks), SCAN_CHUNKS):  # a share of the table per hold
             with self.lock:
-                part = chunks[first : first + SCAN_CHUNKS]
-                idx = slots.ids_of(part[slots.chunk_written[part] == 0])
+                share = chunks[first : first + SCAN_CHUNKS]
+                idx = slots.ids_of(share[slots.chunk_written[share] == 0])
                 idx = idx[idx < n]
                 freed = idx[(slots.kind[idx] != EMPTY) & (kernel[idx] == 0)]
             for start in range(0, len(freed), RELEASE_CHUNK):

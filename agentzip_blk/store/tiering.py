@@ -394,11 +394,10 @@ class Tiers:
         return subs, pages, parts.placer.hashes(pages), frames
 
     def _sparse_unchanged(self, p: _Sparse) -> bool:
-        slots, blobs = self.parts.slots, self.objects.blobs
-        if blobs.ref[p.blob] != len(p.slots) or int(blobs.gen[p.blob]) != p.gen:
-            return False
-        return all(slots.kind[s] == BLOB and int(slots.handle[s]) == p.blob
-                   and int(slots.sub[s]) == sub for s, sub in zip(p.slots, p.subs))
+        slots = self.parts.slots
+        return (int(self.objects.blobs.gen[p.blob]) == p.gen
+                and self._named_only_by(p.blob, p.slots)
+                and all(int(slots.sub[s]) == sub for s, sub in zip(p.slots, p.subs)))
 
     def _switch_sparse(self, p: _Sparse, subs: list[int], pages: list, hashes: list,
                        frames: dict) -> int:
