@@ -114,6 +114,11 @@ def test_the_server_forgets_what_the_kernel_freed_and_keeps_the_rest(tmp_path):
         assert stats["server"]["swap_map"]["status"].startswith("reading"), stats["server"]
         assert stats["kernel_freed_pages"] > 4096  # most of the dropped heap's 16384 pages
         assert stats["pages"] <= 1.15 * used + 512, (stats["pages"], used)
+        served = stats["server"]["datapath"]
+        if served["path"] == "native" and served["native_writes_served"]:
+            # the swap-out went through the write queue (reads before writes), and the
+            # VERIFY below reads every page it stored
+            assert served["native_writes_queued"] > 0, served
         proc.stdin.write("VERIFY\n")
         proc.stdin.flush()
         assert proc.stdout.readline().strip() == "OK"  # what the kernel still needed is exact
