@@ -89,6 +89,15 @@ FALLOC_FL_ZERO_RANGE = 0x10
 ROOT_ID = 1
 FILE_ID = 2
 MAX_IO = 1 << 20  # max_write/max_read: 256 pages per request
+# The loop device's direct I/O reaches us as background requests, and the kernel lets only
+# max_background of them be in flight to the server: beyond it the next one waits in the
+# kernel's queue, and the loop worker that submits it sleeps until one is answered, so a
+# swap-in waits behind the writes we hold (the write queue holds up to 32). The loop device
+# has 128 requests in flight at most (queue/nr_requests), each up to 1.25 MiB, so at most two
+# FUSE requests of MAX_IO: 512 is never the limit. (64, what we said before, was reached at
+# 16 sandboxes: BENCHMARKS.md "Reads before writes in the kernel's queue too".)
+MAX_BACKGROUND = 512
+CONGESTION_THRESHOLD = MAX_BACKGROUND * 3 // 4  # unused by the kernels we run on; kept in ratio
 PAGE = 4096
 
 IN_HEADER = struct.Struct("<IIQQIIIHH")  # len opcode unique nodeid uid gid pid extlen pad
@@ -668,7 +677,7 @@ class FuseFile:
         self.stats.flags = flags
         self._reply(fd, unique, INIT_OUT.pack(
             FUSE_KERNEL_VERSION, min(minor, FUSE_MINOR), max_readahead, flags,
-            64, 48,              # max_background, congestion_threshold
+            MAX_BACKGROUND, CONGESTION_THRESHOLD,
             MAX_IO, 1,           # max_write, time_gran
             MAX_IO // PAGE, 0,   # max_pages, map_alignment
             0, *([0] * 7)))

@@ -31,7 +31,7 @@ import pytest
 
 from agentzip_blk import procfs
 from agentzip_blk.datapath import control, native
-from agentzip_blk.datapath.fuse import FuseFile
+from agentzip_blk.datapath.fuse import MAX_BACKGROUND, FuseFile
 from agentzip_blk.errors import OutOfRange, StoreFull
 from agentzip_blk.host import facts
 from cliswap import HEAP_WORKLOAD, leave_nothing, squeezed_workload, stop_workload
@@ -122,6 +122,30 @@ def test_external_unmount_ends_the_workers(mnt):
         assert not door.alive
     finally:
         door.stop()
+    assert not mounted(mnt)
+
+
+def test_the_kernel_lets_max_background_requests_in_flight(mnt):
+    """The loop device's direct I/O reaches the door as background requests, and the kernel
+    holds back any beyond the max_background that INIT answered (its own default is 12): with
+    64, reads waited in the kernel behind the writes the write queue held. fusectl shows what
+    the kernel took."""
+    conns = "/sys/fs/fuse/connections"
+    ours = not mounted(conns)
+    if ours:
+        subprocess.run(["mount", "-t", "fusectl", "fusectl", conns], check=True)
+    door = FuseFile(mnt, MiB, Mem(MiB), threads=2)
+    door.start()
+    try:
+        dev = os.stat(mnt).st_dev
+        assert os.major(dev) == 0  # an anonymous superblock: fusectl names it by its minor
+        with open(os.path.join(conns, str(os.minor(dev)), "max_background")) as f:
+            took = int(f.read())
+        assert took == MAX_BACKGROUND >= 256  # twice the loop device's 128 requests
+    finally:
+        door.stop()
+        if ours:
+            subprocess.run(["umount", conns], check=False)
     assert not mounted(mnt)
 
 
