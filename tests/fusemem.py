@@ -4,6 +4,7 @@ point the door's tests mount it on."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import tempfile
@@ -23,6 +24,23 @@ def mount_point(prefix: str) -> Iterator[str]:
     if mounted(d):
         subprocess.run(["umount", "-l", d], check=False)
     shutil.rmtree(d, ignore_errors=True)
+
+
+def kernel_max_background(mnt: str) -> int:
+    """The max_background the kernel took for the FUSE mount on ``mnt``, from fusectl
+    (mounted for the read if it is not, and unmounted again)."""
+    conns = "/sys/fs/fuse/connections"
+    ours = not mounted(conns)
+    if ours:
+        subprocess.run(["mount", "-t", "fusectl", "fusectl", conns], check=True)
+    try:
+        dev = os.stat(mnt).st_dev
+        assert os.major(dev) == 0  # an anonymous superblock: fusectl names it by its minor
+        with open(os.path.join(conns, str(os.minor(dev)), "max_background")) as f:
+            return int(f.read())
+    finally:
+        if ours:
+            subprocess.run(["umount", conns], check=False)
 
 
 class Mem:

@@ -22,8 +22,10 @@ import pytest
 
 from agentzip_blk import procfs
 from agentzip_blk.datapath import swapmap
+from agentzip_blk.datapath.fuse import MAX_BACKGROUND
 from agentzip_blk.host import facts
 from cliswap import leave_nothing, squeezed_workload, stop_workload
+from fusemem import kernel_max_background
 from nbdkit_server import nbdkit_available
 
 MiB = 1 << 20
@@ -90,6 +92,9 @@ def test_the_server_forgets_what_the_kernel_freed_and_keeps_the_rest(tmp_path):
         r = _cli("--config", str(cfg), "up")
         assert r.returncode == 0, r.stderr
         device = runstate.RunState.load(run_dir).device
+        # the chain `up` built lets the loop device's requests reach the server
+        # (ARCHITECTURE.md "Reads before writes")
+        assert kernel_max_background(os.path.join(run_dir, "mnt")) == MAX_BACKGROUND
         try:  # what this kernel allows, asked the way the server asks
             with swapmap.SwapMap.open(device):
                 pass
