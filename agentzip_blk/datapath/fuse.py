@@ -89,13 +89,10 @@ FALLOC_FL_ZERO_RANGE = 0x10
 ROOT_ID = 1
 FILE_ID = 2
 MAX_IO = 1 << 20  # max_write/max_read: 256 pages per request
-# The loop device's direct I/O reaches us as background requests, and the kernel lets only
-# max_background of them be in flight to the server: beyond it the next one waits in the
-# kernel's queue, and the loop worker that submits it sleeps until one is answered, so a
-# swap-in waits behind the writes we hold (the write queue holds up to 32). The loop device
-# has 128 requests in flight at most (queue/nr_requests), each up to 1.25 MiB, so at most two
-# FUSE requests of MAX_IO: 512 is never the limit. (64, what we said before, was reached at
-# 16 sandboxes: BENCHMARKS.md "Reads before writes in the kernel's queue too".)
+# The loop device's direct I/O are background requests, and past max_background the loop
+# worker sleeps with reads behind it (docs/ARCHITECTURE.md "Reads before writes"). The loop
+# device has at most 128 requests in flight, two FUSE requests of MAX_IO each: 512 is never
+# the limit; 64 was, at 16 sandboxes.
 MAX_BACKGROUND = 512
 CONGESTION_THRESHOLD = MAX_BACKGROUND * 3 // 4  # unused by the kernels we run on; kept in ratio
 PAGE = 4096
