@@ -9,7 +9,7 @@ cd "$(dirname "$0")"
 # fusermount3, losetup/mkswap/swapon (util-linux, mount) and a venv from Debian's python3.
 APT_PACKAGES=(nbdkit nbdkit-plugin-python fuse3 python3-venv util-linux mount
               python3-cryptography  # the disk tier's AES-GCM, importable by nbdkit's embedded libpython
-              gcc python3-dev liblz4-dev libxxhash-dev libzstd-dev)  # the native request path (setup.py)
+              gcc python3-dev liblz4-dev libssl-dev libxxhash-dev libzstd-dev)  # the native request path (setup.py)
 # What the tests and the benchmarks need on top (./setup.sh test)
 APT_TEST_PACKAGES=(libnbd-bin python3-libnbd  # nbdfuse (the nbdfuse front door), the tests' NBD client
               chromium nodejs  # chromium, nodejs: tests/test_workloads.py runs workloads C and D

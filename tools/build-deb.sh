@@ -28,7 +28,7 @@
 # - /usr/lib/agentzip-blk/libagentzip-mlock.so: nbdfuse's mlockall preload shim (host/chain.py),
 #   compiled here so that `up` needs no C compiler on the host.
 # - agentzip_blk/datapath/nativeloop*.so: the native request path, compiled here for Debian's
-#   python3 (setup.py builds the same source into the venv); liblz4-1 and libzstd1 in Depends.
+#   python3 (setup.py builds the same source into the venv); liblz4-1, libzstd1 and libssl3 in Depends.
 #   Those ELF objects make the package Architecture: amd64 (the build host's), not all:
 #   lintian rejects ELF files in an arch-independent package, and neither can be avoided.
 # - the systemd units in /usr/lib/systemd/system (install-units with --unit-dir), the default
@@ -148,8 +148,8 @@ PYTHONPATH=$ROOT "$PYTHON" -m agentzip_blk.host.chain "$S/$LIBDIR/libagentzip-ml
     -g0 -fstack-protector-strong -D_FORTIFY_SOURCE=2 -Wl,-z,relro -Wl,-z,now >/dev/null
 # the native request path (agentzip_blk/datapath/nativeloop.c, nativestore.c), for Debian's
 # python3 (Depends)
-for header in /usr/include/lz4.h /usr/include/xxhash.h /usr/include/zstd.h; do
-    [ -f "$header" ] || die "$header not found (apt-get install liblz4-dev libxxhash-dev libzstd-dev python3-dev)"
+for header in /usr/include/lz4.h /usr/include/xxhash.h /usr/include/zstd.h /usr/include/openssl/evp.h; do
+    [ -f "$header" ] || die "$header not found (apt-get install liblz4-dev libssl-dev libxxhash-dev libzstd-dev python3-dev)"
 done
 if [ "$PYVER" = "$HOST_PYVER" ]; then
     PY_INCLUDE=${PYTHON_INCLUDE:-$(/usr/bin/python3-config --includes)}
@@ -161,7 +161,7 @@ if [ -n "$PY_INCLUDE" ]; then
     # shellcheck disable=SC2086  # PY_INCLUDE is a list of -I flags
     cc -shared -fPIC -O2 -g0 -std=gnu11 -fstack-protector-strong -D_FORTIFY_SOURCE=2 \
         $PY_INCLUDE agentzip_blk/datapath/nativeloop.c agentzip_blk/datapath/nativestore.c \
-        -Wl,-z,relro -Wl,-z,now -llz4 -lzstd -lpthread \
+        -Wl,-z,relro -Wl,-z,now -llz4 -lzstd -lcrypto -lpthread \
         -o "$S/$LIBDIR/agentzip_blk/datapath/nativeloop$EXT_SUFFIX"
 else
     echo "build-deb.sh: no Python $PYVER headers (\$PYTHON_INCLUDE): no native request path; the package serves in Python" >&2
@@ -203,7 +203,8 @@ DEPENDS="nbdkit, nbdkit-plugin-python, fuse3, util-linux (>= 2.38), mount, pytho
 DEPENDS+=" python3-numpy (>= 1:1.24), python3-yaml (>= 6.0), python3-tqdm (>= 4.64),"
 DEPENDS+=" python3-prometheus-client (>= 0.16), python3-sortedcontainers (>= 2.4),"
 DEPENDS+=" python3-lz4 (>= 4.0.2), python3-xxhash (>= 3.2), python3-cryptography (>= 38), libc6,"
-DEPENDS+=" liblz4-1, libzstd1"  # the native request path (xxhash is compiled in)
+DEPENDS+=" liblz4-1, libzstd1, libssl3"  # the native request path (xxhash is compiled in;
+                                        # libssl3 has libcrypto: the disk tier's AES-GCM)
 SIZE=$(du -sk --exclude=DEBIAN "$S" | cut -f1)
 sed -e "s/@VERSION@/$DEB_VERSION/" -e "s/@ARCH@/$ARCH/" -e "s/@SIZE@/$SIZE/" -e "s/@DEPENDS@/$DEPENDS/" \
     "$DEB/control.in" > "$S/DEBIAN/control"

@@ -91,9 +91,37 @@ class NativePath:
                 dense=store.warm_codec is None, frame_pages=store.frame_pages,
                 level=store.codecs.writer.level if self.writes and store.warm_codec is None
                 else 3)
+            if store.disk is not None:
+                self._path.set_disk(fd=store.disk.fd, key=store.disk.key())
+            self._follow_dictionaries()
             if self.packs:
                 self._path.set_packing(store.frame_pages, store.codecs.writer.level)
                 store.recompressor.native_pack = self.pack
+
+    def _follow_dictionaries(self) -> None:
+        """Every dictionary blobs may name, now and as the registry adds and unloads them,
+        for the native reads (their content stays referenced here: the extension reads it
+        in place for as long as it lives)."""
+        registry = self.store.dicts.registry
+        self._dict_contents: list[bytes] = []
+        for entry in registry.loaded():
+            self._add_dictionary(entry)
+        self._added, self._unloaded = registry.on_added, registry.on_unloaded
+
+        def added(entry) -> None:
+            self._added(entry)
+            self._add_dictionary(entry)
+
+        def unloaded(dict_id: int) -> None:
+            self._unloaded(dict_id)
+            self._path.set_dictionary(dict_id, None, False)
+
+        registry.on_added, registry.on_unloaded = added, unloaded
+
+    def _add_dictionary(self, entry) -> None:
+        content = bytes(entry.content)
+        self._dict_contents.append(content)
+        self._path.set_dictionary(entry.id, content, entry.kind == "full")
 
     def _bind(self) -> None:
         """Under the store lock: the tables' current addresses and tick base."""
@@ -106,6 +134,8 @@ class NativePath:
             self.store.on_tables_moved = lambda: None
             self.store.outside_drop_idle = lambda seconds: None
             self.store.recompressor.native_pack = None
+            registry = self.store.dicts.registry
+            registry.on_added, registry.on_unloaded = self._added, self._unloaded
 
     def serve(self, fd: int, rbuf, wbuf, epfd: int = -1, stop=None) -> int:
         """Serve requests from `fd` until one needs Python: its length (it is in `rbuf`),

@@ -26,6 +26,8 @@
 
 #include <errno.h>
 #include <math.h>
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -261,6 +263,10 @@ typedef struct {
     PyObject *keep;  /* the bound arrays, kept alive while their addresses are in use */
     Tables t;        /* read and written only under lock->mu */
     WriteParams wp;  /* set under lock->mu */
+    DiskParams disk; /* set under lock->mu; fd -1: disk reads are Python's */
+    _Atomic(DictEntry *) dicts[MAX_DICTS]; /* by dictionary id (set_dictionary) */
+    DictEntry **made_dicts; /* every entry ever published, freed with the Path */
+    size_t nmade;
     int bound;
     uint64_t size;
     double t0;          /* the store's clock origin, CLOCK_MONOTONIC seconds */
@@ -272,7 +278,7 @@ typedef struct {
     pthread_cond_t decoded; /* with lock->mu: a frame being decoded is done (fc.dec_*) */
     /* counters: atomics, read by Python without the lock */
     StoreCounters c;
-    atomic_ullong handed_up, in_flight, reply_errors;
+    atomic_ullong handed_up, in_flight, reply_errors, disk_reads;
     Histogram read_latency, write_latency;
     WriteQueue wq;
     /* the recompressor's packer (one caller at a time: pack_mu) */
@@ -283,6 +289,12 @@ typedef struct {
 } Path;
 
 static void Path_dealloc(Path *self) {
+    OPENSSL_cleanse(self->disk.key, sizeof self->disk.key);
+    for (size_t i = 0; i < self->nmade; i++) {
+        ZSTD_freeDDict(atomic_load(&self->made_dicts[i]->ddict));
+        free(self->made_dicts[i]);
+    }
+    free(self->made_dicts);
     if (self->pack_cctx)
         ZSTD_freeCCtx(self->pack_cctx);
     if (self->fc.data)
@@ -334,6 +346,8 @@ static int Path_init(Path *self, PyObject *args, PyObject *kw) {
     memset(&self->wp, 0, sizeof self->wp);
     self->wp.doorbell = -1;
     self->wp.checksums = checksums;
+    memset(&self->disk, 0, sizeof self->disk);
+    self->disk.fd = -1;
     memset(&self->fc, 0, sizeof self->fc);
     pthread_cond_init(&self->decoded, NULL);
     pthread_mutex_init(&self->pack_mu, NULL);
@@ -434,6 +448,7 @@ static PyObject *Path_bind(Path *self, PyObject *args) {
     COLUMN(csum, "csum", uint32_t, nblobs);
     COLUMN(gen, "gen", uint32_t, nblobs);
     COLUMN(form, "form", uint8_t, nblobs);
+    COLUMN(disk_off, "disk_off", uint64_t, nblobs);
     uint64_t members;
     t.members = (uint32_t *)address_of(d, "members", sizeof(uint32_t), &members);
     if (!t.members)
@@ -536,6 +551,71 @@ static PyObject *Path_set_writes(Path *self, PyObject *args, PyObject *kw) {
     Py_RETURN_NONE;
 }
 
+/* set_disk(fd, key): under the store lock. The disk tier's file (-1: none) and its sealer's
+ * key (None: extents in the clear). */
+static PyObject *Path_set_disk(Path *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"fd", "key", NULL};
+    int fd;
+    PyObject *key;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iO", names, &fd, &key))
+        return NULL;
+    Py_buffer k = {0};
+    if (key != Py_None) {
+        if (PyObject_GetBuffer(key, &k, PyBUF_SIMPLE) < 0)
+            return NULL;
+        if (k.len != DISK_KEY) {
+            PyBuffer_Release(&k);
+            PyErr_SetString(PyExc_ValueError, "set_disk: the key is 32 bytes (AES-256)");
+            return NULL;
+        }
+    }
+    OPENSSL_cleanse(self->disk.key, sizeof self->disk.key);
+    self->disk.fd = fd;
+    self->disk.sealed = key != Py_None;
+    self->disk.overhead = self->disk.sealed ? DISK_NONCE + DISK_TAG : 0;
+    if (self->disk.sealed) {
+        memcpy(self->disk.key, k.buf, DISK_KEY);
+        PyBuffer_Release(&k);
+    }
+    Py_RETURN_NONE;
+}
+
+/* set_dictionary(id, content, full): a dictionary reads may decode with (DictEntry). The
+ * caller keeps `content` alive as long as this Path (NativePath keeps every one it gave).
+ * content None: reads of blobs that name `id` are Python's from now on. Any thread, with or
+ * without the store lock: readers see an entry whole or not at all. */
+static PyObject *Path_set_dictionary(Path *self, PyObject *args) {
+    int id, full;
+    PyObject *content;
+    if (!PyArg_ParseTuple(args, "iOp", &id, &content, &full))
+        return NULL;
+    if (id < 1 || id >= MAX_DICTS) {
+        PyErr_SetString(PyExc_ValueError, "set_dictionary: an id of 1-255");
+        return NULL;
+    }
+    DictEntry *e = NULL;
+    if (content != Py_None) {
+        if (!PyBytes_Check(content)) {
+            PyErr_SetString(PyExc_TypeError, "set_dictionary: content is bytes");
+            return NULL;
+        }
+        DictEntry **made = realloc(self->made_dicts, (self->nmade + 1) * sizeof *made);
+        if (made == NULL || (e = calloc(1, sizeof *e)) == NULL) {
+            if (made != NULL)
+                self->made_dicts = made;
+            return PyErr_NoMemory();
+        }
+        self->made_dicts = made;
+        made[self->nmade++] = e;
+        e->content = PyBytes_AS_STRING(content);
+        e->len = (size_t)PyBytes_GET_SIZE(content);
+        e->full = full;
+        atomic_init(&e->ddict, NULL);
+    }
+    atomic_store(&self->dicts[id], e); /* a replaced entry stays in made_dicts */
+    Py_RETURN_NONE;
+}
+
 static void observe(Path *self, Histogram *h, double seconds) {
     int i = 0;
     while (i < self->nbounds && seconds > self->bounds[i])
@@ -588,12 +668,14 @@ typedef struct {
     uint8_t stored[READ_JOBS_ROOM];
     uint8_t frames[8 * FRAME_BYTES];
     ZSTD_DCtx *dctx;
+    EVP_CIPHER_CTX *evp; /* disk extents */
 } ThreadScratch;
 
 static pthread_key_t scratch_key;
 
 static void scratch_free(void *p) {
     ThreadScratch *s = p;
+    EVP_CIPHER_CTX_free(s->evp);
     ZSTD_freeDCtx(s->dctx);
     ZSTD_freeCCtx(s->cctx_frame);
     ZSTD_freeCCtx(s->cctx_page);
@@ -659,9 +741,11 @@ static ThreadScratch *thread_scratch(void) {
         if (s == NULL)
             return NULL;
         s->dctx = magicless_dctx();
+        s->evp = EVP_CIPHER_CTX_new();
         s->cctx_frame = s->cctx_page = NULL;
         s->cctx_level = s->cctx_pages = 0;
-        if (s->dctx == NULL || pthread_setspecific(scratch_key, s) != 0) {
+        if (s->dctx == NULL || s->evp == NULL || pthread_setspecific(scratch_key, s) != 0) {
+            EVP_CIPHER_CTX_free(s->evp);
             ZSTD_freeDCtx(s->dctx);
             free(s);
             return NULL;
@@ -704,8 +788,9 @@ static int serve_read(Path *self, int fd, const uint8_t *r, ssize_t n, uint8_t *
             result = UP_UNBOUND; /* Python rebases the ticks */
             break;
         }
-        result = native_read(&self->t, &self->fc, self->checksums, now, offset / PAGE, count,
-                             out, &s->plan, s->stored, sizeof s->stored);
+        result = native_read(&self->t, &self->fc, &self->disk, self->dicts, self->checksums,
+                             now, offset / PAGE, count, out, &s->plan, s->stored,
+                             sizeof s->stored);
         if (result != READ_WAIT)
             break;
         /* another request decodes a frame this one reads: its copy comes soon */
@@ -721,9 +806,13 @@ static int serve_read(Path *self, int fd, const uint8_t *r, ssize_t n, uint8_t *
     if (result == READ_WAIT)
         result = UP_READ_BLOB; /* waited long enough: Python's */
     pthread_mutex_unlock(&self->lock->mu);
-    if (result == SERVED && s->plan.njobs) { /* dense blobs: decoded without the lock */
-        result = finish_read(&s->plan, s->stored, self->checksums, s->dctx, s->frames, out,
-                             count);
+    if (result == SERVED && s->plan.njobs) { /* dense and disk blobs: without the lock */
+        result = finish_read(&s->plan, &self->disk, s->stored, self->checksums, s->dctx,
+                             s->evp, s->frames, out, count);
+        if (result == SERVED)
+            for (uint32_t j = 0; j < s->plan.njobs; j++)
+                if (s->plan.jobs[j].on_disk)
+                    atomic_fetch_add(&self->disk_reads, 1);
         pthread_mutex_lock(&self->lock->mu);
         if (result == SERVED && self->bound)
             cache_frames(&self->t, &self->fc, &s->plan, s->frames, (int)s->plan.njobs);
@@ -1065,7 +1154,7 @@ static PyObject *Path_counters(Path *self, PyObject *unused) {
     StoreCounters *c = &self->c;
 #define U(x) (unsigned long long)atomic_load(&(x))
     return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsNsNsN}",
+        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsNsNsN}",
         "reads", U(c->reads), "pages_read", U(c->pages_read), "bytes_read", U(c->bytes_read),
         "writes", U(c->writes), "pages_written", U(c->pages_written),
         "bytes_written", U(c->bytes_written), "dedup_hits", U(c->dedup_hits),
@@ -1080,6 +1169,7 @@ static PyObject *Path_counters(Path *self, PyObject *unused) {
         "frame_cache_waits", (unsigned long long)self->fc.waits,
         "frame_cache_bytes", (unsigned long long)frame_cache_bytes(&self->fc),
         "in_flight", U(self->in_flight), "reply_errors", U(self->reply_errors),
+        "disk_reads", U(self->disk_reads),
         "writes_queued", U(self->wq.queued_total), "writes_inline", U(self->wq.inline_total),
         "handed_up_by", reasons, "read_latency", histogram(self, &self->read_latency),
         "write_latency", histogram(self, &self->write_latency));
@@ -1096,6 +1186,10 @@ static PyMethodDef Path_methods[] = {
     {"set_tick_base", (PyCFunction)Path_set_tick_base, METH_VARARGS, "under the lock"},
     {"set_writes", (PyCFunction)(void (*)(void))Path_set_writes, METH_VARARGS | METH_KEYWORDS,
      "set_writes(enabled, dedup, seed, hot_ticks, reclaim_bytes, max_blobs, doorbell, dense, frame_pages, level), under the lock"},
+    {"set_disk", (PyCFunction)(void (*)(void))Path_set_disk, METH_VARARGS | METH_KEYWORDS,
+     "set_disk(fd, key), under the lock"},
+    {"set_dictionary", (PyCFunction)Path_set_dictionary, METH_VARARGS,
+     "set_dictionary(id, content or None, full): any thread; keep content alive"},
     {"serve", (PyCFunction)Path_serve, METH_VARARGS, "serve(fd, rbuf, wbuf[, epfd, stop]) -> int"},
     {"serve_writes", (PyCFunction)Path_serve_writes, METH_VARARGS,
      "serve_writes(fd, rbuf, wbuf, stop) -> int: a writer thread's loop"},

@@ -5,6 +5,7 @@
 #include "nativestore.h"
 
 #include <fcntl.h>
+#include <openssl/evp.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <time.h>
@@ -82,11 +83,22 @@ static int decode_page(const Tables *t, int checksums, uint32_t blob, const uint
     return !checksums || page_csum(out) == t->csum[blob];
 }
 
-/* A blob the native side decodes after the lock: zstd without a dictionary in a pool cell,
- * a dense frame or a page alone (what Placer.store_group and the packer make). */
+/* The dictionary a blob was compressed with, if it names one the native side has (NULL for
+ * none, or for one only Python has: `*missing`). */
+static DictEntry *dict_of(const Tables *t, _Atomic(DictEntry *) *dicts, uint32_t blob,
+                          int *missing) {
+    uint8_t id = t->dict_id[blob];
+    DictEntry *e = id ? atomic_load(&dicts[id]) : NULL;
+    *missing = id && (e == NULL || t->codec[blob] != CODEC_ZSTD);
+    return e;
+}
+
+/* A blob the native side decodes after the lock: zstd in a pool cell, a dense frame or a
+ * page alone (what Placer.store_group and the packer make), its dictionary checked by the
+ * caller (dict_of). */
 static int dense_servable(const Tables *t, uint32_t blob) {
     if (blob >= t->nblobs || t->ref[blob] == 0 || t->tier[blob] != TIER_POOL ||
-        t->dict_id[blob] != 0 || t->codec[blob] != CODEC_ZSTD)
+        t->codec[blob] != CODEC_ZSTD)
         return 0;
     uint8_t pages = t->pages[blob];
     int32_t a = t->arena[blob];
@@ -96,6 +108,25 @@ static int dense_servable(const Tables *t, uint32_t blob) {
     int16_t cls = t->a_class[a];
     uint16_t len = t->length[blob];
     return cls >= 0 && (uint64_t)cls < t->nclasses && len > 0 && len <= t->class_cell[cls];
+}
+
+/* A disk blob the native side reads (DiskParams): a frame or a page alone in any codec the
+ * native side decodes, its dictionary checked by the caller (dict_of). It stays on disk: the page it answers is in RAM
+ * again, and its copy is needed only if the kernel evicts that page clean (docs/
+ * ARCHITECTURE.md, "The disk tier"); the Python path promotes below the demotion target. */
+static int disk_servable(const Tables *t, const DiskParams *disk, uint32_t blob) {
+    if (disk->fd < 0 || blob >= t->nblobs || t->ref[blob] == 0 || t->tier[blob] != TIER_DISK)
+        return 0;
+    uint8_t pages = t->pages[blob], codec = t->codec[blob];
+    uint16_t len = t->length[blob];
+    if (len == 0 || pages == 0 || pages > MAX_FRAME_PAGES)
+        return 0;
+    if (codec == CODEC_ZSTD)
+        ;
+    else if (pages != 1 || (codec == CODEC_RAW ? len != PAGE
+                                                : codec != CODEC_LZ4 && codec != CODEC_LZ4HC))
+        return 0;
+    return 1;
 }
 
 static double seconds_now(void) {
@@ -120,7 +151,8 @@ static int cache_find(FrameCache *fc, uint32_t blob, uint32_t gen) {
  * Warm pages and pages of cached frames are answered here, under the lock; the dense
  * blobs left (plan->njobs) have their stored bytes copied to `scratch` for `finish_read`,
  * after the lock. */
-int native_read(const Tables *t, FrameCache *fc, int checksums, int64_t now, uint64_t first,
+int native_read(const Tables *t, FrameCache *fc, const DiskParams *disk,
+                _Atomic(DictEntry *) *dicts, int checksums, int64_t now, uint64_t first,
                 uint64_t count, uint8_t *out, ReadPlan *plan, uint8_t *scratch, size_t room) {
     if (first + count > t->nslots || count > MAX_PAGES)
         return UP_SHAPE;
@@ -149,7 +181,14 @@ int native_read(const Tables *t, FrameCache *fc, int checksums, int64_t now, uin
         uint32_t blob = t->handle[slot];
         if ((src[i] = servable(t, blob)) != NULL)
             continue;
-        if (!dense_servable(t, blob))
+        int on_disk = 0, missing;
+        if (!dense_servable(t, blob)) {
+            if (!disk_servable(t, disk, blob))
+                return UP_READ_BLOB;
+            on_disk = 1;
+        }
+        DictEntry *dict = dict_of(t, dicts, blob, &missing);
+        if (missing)
             return UP_READ_BLOB;
         uint8_t sub = t->sub[slot];
         if (sub >= t->pages[blob])
@@ -167,7 +206,8 @@ int native_read(const Tables *t, FrameCache *fc, int checksums, int64_t now, uin
             j++;
         if (j == plan->njobs) {
             uint32_t len = t->length[blob];
-            if (j == MAX_JOBS || used + len > room)
+            size_t need = len + (on_disk ? disk->overhead : 0);
+            if (j == MAX_JOBS || used + need > room)
                 return UP_READ_BLOB;
             FrameJob *job = &plan->jobs[plan->njobs++];
             job->blob = blob;
@@ -177,9 +217,13 @@ int native_read(const Tables *t, FrameCache *fc, int checksums, int64_t now, uin
             job->len = len;
             job->at = (uint32_t)used;
             job->decoding = -1;
-            int32_t a = t->arena[blob];
-            memcpy(scratch + used, cell_addr(t, a, t->cell[blob]), len);
-            used += len;
+            job->codec = t->codec[blob];
+            job->on_disk = (uint8_t)on_disk;
+            job->disk_off = on_disk ? t->disk_off[blob] : 0;
+            job->dict = dict;
+            if (!on_disk)
+                memcpy(scratch + used, cell_addr(t, t->arena[blob], t->cell[blob]), len);
+            used += need;
         }
         plan->job_of[i] = (int16_t)j;
         plan->sub_of[i] = sub;
@@ -234,23 +278,92 @@ int native_read(const Tables *t, FrameCache *fc, int checksums, int64_t now, uin
     return SERVED;
 }
 
-/* After the lock: the dense blobs of `plan` verified and decoded (into `frames`, FRAME_BYTES
- * each), their pages copied out. SERVED or UP_CORRUPT (Python reads it again, counts the
- * mismatch and answers EIO). */
-int finish_read(const ReadPlan *plan, const uint8_t *scratch, int checksums, void *dctx,
-                uint8_t *frames, uint8_t *out, uint64_t count) {
+/* DiskTier.read for a job: its extent read into `ext` (len + overhead bytes) and opened in
+ * place (the blob's bytes at ext + DISK_NONCE when sealed); 0, or -1 when the read is short
+ * or fails or the tag does not match. Its cached pages are dropped as DiskTier._drop_cache
+ * drops them: the tier is there to hold what memory does not. */
+static int read_extent(const DiskParams *disk, EVP_CIPHER_CTX *evp, const FrameJob *job,
+                       uint8_t *ext) {
+    size_t size = job->len + disk->overhead;
+    ssize_t got = pread(disk->fd, ext, size, (off_t)job->disk_off);
+    if (got != (ssize_t)size)
+        return -1;
+    posix_fadvise(disk->fd, (off_t)job->disk_off, (off_t)size, POSIX_FADV_DONTNEED);
+    if (!disk->sealed)
+        return 0;
+    uint8_t aad[20]; /* disk._AAD: <QIII offset, length, blob, generation */
+    uint64_t off = job->disk_off;
+    uint32_t len = job->len, blob = job->blob, gen = job->gen;
+    memcpy(aad, &off, 8);
+    memcpy(aad + 8, &len, 4);
+    memcpy(aad + 12, &blob, 4);
+    memcpy(aad + 16, &gen, 4);
+    uint8_t *body = ext + DISK_NONCE;
+    int n = 0, ok = EVP_DecryptInit_ex(evp, EVP_aes_256_gcm(), NULL, NULL, NULL) == 1 &&
+        EVP_CIPHER_CTX_ctrl(evp, EVP_CTRL_GCM_SET_IVLEN, DISK_NONCE, NULL) == 1 &&
+        EVP_DecryptInit_ex(evp, NULL, NULL, disk->key, ext) == 1 &&
+        EVP_DecryptUpdate(evp, NULL, &n, aad, sizeof aad) == 1 &&
+        EVP_DecryptUpdate(evp, body, &n, body, (int)len) == 1 && n == (int)len &&
+        EVP_CIPHER_CTX_ctrl(evp, EVP_CTRL_GCM_SET_TAG, DISK_TAG, body + len) == 1 &&
+        EVP_DecryptFinal_ex(evp, body + len, &n) == 1;
+    return ok ? 0 : -1;
+}
+
+/* A dictionary's digested form, made by the first read that needs it (NULL: zstd refused
+ * the content, or no memory; the read goes to Python). */
+static ZSTD_DDict *ddict_of(DictEntry *e) {
+    ZSTD_DDict *d = atomic_load(&e->ddict);
+    if (d != NULL)
+        return d;
+    d = ZSTD_createDDict_advanced(e->content, e->len, ZSTD_dlm_byRef,
+                                  e->full ? ZSTD_dct_fullDict : ZSTD_dct_rawContent,
+                                  ZSTD_defaultCMem);
+    if (d == NULL)
+        return NULL;
+    void *none = NULL;
+    if (!atomic_compare_exchange_strong(&e->ddict, &none, d)) {
+        ZSTD_freeDDict(d); /* another read made it first */
+        return none;
+    }
+    return d;
+}
+
+/* After the lock: the blobs of `plan` (dense pool blobs, disk blobs) read, verified and
+ * decoded (into `frames`, FRAME_BYTES each), their pages copied out. SERVED; UP_CORRUPT
+ * (Python reads it again, counts the mismatch and answers EIO); UP_READ_BLOB when a disk
+ * extent did not read or open (Python reads it again: a blob freed and its extent reused
+ * meanwhile is read from where it is now, a disk error is counted). */
+int finish_read(const ReadPlan *plan, const DiskParams *disk, uint8_t *scratch, int checksums,
+                void *dctx, void *evp, uint8_t *frames, uint8_t *out, uint64_t count) {
     for (uint32_t j = 0; j < plan->njobs; j++) {
         const FrameJob *job = &plan->jobs[j];
         const uint8_t *stored = scratch + job->at;
         uint8_t *frame = frames + (size_t)j * FRAME_BYTES;
+        if (job->on_disk) {
+            if (read_extent(disk, evp, job, scratch + job->at) != 0)
+                return UP_READ_BLOB;
+            if (disk->sealed)
+                stored += DISK_NONCE;
+        }
         /* a frame: its stored bytes' checksum, then zstd checks the content checksum it
          * carries; a page alone: its page checksum after decoding (store.integrity) */
         if (checksums && job->pages > 1 && (uint32_t)XXH3_64bits(stored, job->len) != job->csum)
             return UP_CORRUPT;
         size_t want = (size_t)job->pages * PAGE;
-        size_t got = ZSTD_decompressDCtx(dctx, frame, want, stored, job->len);
-        if (ZSTD_isError(got) || got != want)
+        if (job->codec == CODEC_ZSTD) {
+            ZSTD_DDict *dd = NULL;
+            if (job->dict != NULL && (dd = ddict_of(job->dict)) == NULL)
+                return UP_READ_BLOB;
+            size_t got = dd ? ZSTD_decompress_usingDDict(dctx, frame, want, stored, job->len, dd)
+                            : ZSTD_decompressDCtx(dctx, frame, want, stored, job->len);
+            if (ZSTD_isError(got) || got != want)
+                return UP_CORRUPT;
+        } else if (job->codec == CODEC_RAW) { /* a page alone (disk_servable) */
+            memcpy(frame, stored, PAGE);
+        } else if (LZ4_decompress_safe((const char *)stored, (char *)frame, (int)job->len,
+                                       PAGE) != PAGE) {
             return UP_CORRUPT;
+        }
         if (checksums && job->pages == 1 && page_csum(frame) != job->csum)
             return UP_CORRUPT;
     }

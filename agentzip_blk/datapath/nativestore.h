@@ -24,6 +24,7 @@
 #define KIND_SAME 1
 #define KIND_BLOB 2
 #define TIER_POOL 0
+#define TIER_DISK 1
 #define FORM_DENSE 0
 #define FORM_WARM 1
 #define MAX_FRAME_PAGES 16 /* config.MAX_FRAME_PAGES */
@@ -88,6 +89,7 @@ typedef struct {
     uint32_t *csum;
     uint32_t *gen;
     uint8_t *form;
+    uint64_t *disk_off; /* a disk blob's extent in the tier file */
     uint32_t *members; /* nblobs rows of `stride` keys */
     uint32_t stride;
     uint64_t nblobs;
@@ -134,11 +136,40 @@ typedef struct {
     int doorbell;        /* the maintainer's eventfd (store.doorbell), or -1 */
 } WriteParams;
 
+/* The disk tier as a read needs it (store.disk.DiskTier; set by Python under the lock):
+ * a disk blob's extent is read with pread(2) after the lock, opened with AES-256-GCM
+ * (nonce, ciphertext, tag; the associated data names its offset, length, blob and
+ * generation, so an extent freed and reused meanwhile fails to open and the request goes to
+ * Python, which reads it again), then decoded as a pool blob is. */
+#define DISK_NONCE 12
+#define DISK_TAG 16
+#define DISK_KEY 32
+typedef struct {
+    int fd;                 /* the tier file, or -1: every disk read is Python's */
+    int sealed;             /* extents are encrypted (disk.ENCRYPT) */
+    uint32_t overhead;      /* DISK_NONCE + DISK_TAG when sealed, else 0 */
+    uint8_t key[DISK_KEY];
+} DiskParams;
+
+/* A dictionary the native side decodes with (codec.dictionaries: a blob names it by its id,
+ * 1..255). Python registers each one's content (set_dictionary) and keeps the bytes alive;
+ * the digested form is made on the first read that needs it. An entry, once published, is
+ * never freed while the Path lives (an unregistered one is only unpublished): a read that
+ * planned with it under the lock decodes with it after the lock. */
+#define MAX_DICTS 256
+typedef struct {
+    const void *content;
+    size_t len;
+    int full;                   /* a trained dictionary (codecs.DICT_KINDS "full"), or raw */
+    _Atomic(void *) ddict;      /* ZSTD_DDict, made once (a race frees the loser's) */
+} DictEntry;
+
 /* Why a request was handed up to Python, for the counters. */
 enum {
     UP_UNBOUND,     /* tables not bound, or a tick rebase is due */
     UP_SHAPE,       /* not whole pages in the device, or not a READ/WRITE this path serves */
-    UP_READ_BLOB,   /* a read of a disk blob, a dictionary, a non-zero word */
+    UP_READ_BLOB,   /* a read of a dictionary blob, a non-zero word, a disk blob whose
+                       extent did not open (moved, or a disk error) */
     UP_CORRUPT,     /* a checksum or codec failure: Python counts it and answers EIO */
     UP_WRITE_WORD,  /* a write of a same-filled page other than zero, or over one */
     UP_WRITE_DISK,  /* a write over a slot whose blob is in the disk tier */
@@ -192,6 +223,10 @@ typedef struct {
     uint16_t pages;
     uint32_t len;
     uint32_t at;        /* offset of its stored bytes in the request's scratch */
+    uint8_t codec;
+    uint8_t on_disk;    /* read from disk_off after the lock, into scratch at `at` */
+    uint64_t disk_off;
+    DictEntry *dict;    /* zstd with a dictionary, or NULL */
     int16_t decoding;   /* its entry in FrameCache.dec_*, or -1 */
 } FrameJob;
 
@@ -202,10 +237,11 @@ typedef struct {
     uint8_t sub_of[MAX_PAGES];
 } ReadPlan;
 
-int native_read(const Tables *t, FrameCache *fc, int checksums, int64_t now, uint64_t first,
+int native_read(const Tables *t, FrameCache *fc, const DiskParams *disk,
+                _Atomic(DictEntry *) *dicts, int checksums, int64_t now, uint64_t first,
                 uint64_t count, uint8_t *out, ReadPlan *plan, uint8_t *scratch, size_t room);
-int finish_read(const ReadPlan *plan, const uint8_t *scratch, int checksums, void *dctx,
-                uint8_t *frame, uint8_t *out, uint64_t count);
+int finish_read(const ReadPlan *plan, const DiskParams *disk, uint8_t *scratch, int checksums,
+                void *dctx, void *evp, uint8_t *frame, uint8_t *out, uint64_t count);
 void cache_frames(const Tables *t, FrameCache *fc, const ReadPlan *plan, const uint8_t *frames,
                   int nframes);
 void end_decoding(FrameCache *fc, const ReadPlan *plan);

@@ -649,8 +649,8 @@ class Server:
             out["native_packs_served"] = self.native.packs
             for key in ("reads", "pages_read", "bytes_read", "writes", "pages_written",
                         "bytes_written", "packed_pages", "frame_cache_hits",
-                        "frame_cache_misses", "handed_up", "handed_up_by", "reply_errors",
-                        "writes_queued", "writes_inline"):
+                        "frame_cache_misses", "disk_reads", "handed_up", "handed_up_by",
+                        "reply_errors", "writes_queued", "writes_inline"):
                 out[f"native_{key}"] = counters[key]
         return out
 

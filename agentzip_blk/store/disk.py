@@ -253,6 +253,12 @@ class DiskTier:
         tier._dirty = bool(scalars["dirty"])
         return tier
 
+    @property
+    def fd(self) -> int:
+        """The tier file's descriptor, for the native request path's reads (pread(2) of a
+        blob's extent, opened with `key`); it stays open until `close`."""
+        return self._fd
+
     def key(self) -> bytes | None:
         """The sealer's key (None: not encrypted), for the shared tables (store.shared): a
         server that recovers from a crash reads the extents with it."""

@@ -342,6 +342,7 @@ class PageStore:
             "length": blobs.length, "pages": blobs.pages, "codec": blobs.codec,
             "dict_id": blobs.dict_id, "ref": blobs.ref, "atime": blobs.atime,
             "rtime": blobs.rtime, "csum": blobs.csum, "gen": blobs.gen, "form": blobs.form,
+            "disk_off": blobs.disk_off,
             "members": blobs.members, "blob_state": blobs.state,
             "index_fps": fps, "index_vals": vals, "index_state": index.state,
             **pool.columns(),

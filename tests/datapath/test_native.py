@@ -19,11 +19,14 @@ import struct
 import threading
 import time
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from agentzip_blk.codec.dictionaries.trainer import as_kind
 from agentzip_blk.datapath import native
+from agentzip_blk.store import disk
 from agentzip_blk.store.tiering import Tiering
 from nativeharness import (
     IN_HEADER,
@@ -36,6 +39,7 @@ from nativeharness import (
     native_store,
     read_request,
 )
+from tests.store import test_dict_frames as dict_frames
 
 PAGE = 4096
 
@@ -111,7 +115,7 @@ def test_native_reads_match_the_python_path_and_the_model(served):
     store.check()
 
 
-def test_dense_frames_and_disk_blobs_are_handed_up_and_read_right(served, tmp_path):
+def test_dense_frames_and_disk_blobs_are_read_right(served, tmp_path):
     tiering = Tiering(max_size=64 << 20, swap_out_path=str(tmp_path / "tier"),
                       swap_out_max_size=64 << 20, cold_grace_period=0.0, recompress_cpu=1.0)
     store, path, reads = served(warm_algorithm="lz4", frame_pages=16, tiering=tiering)
@@ -125,8 +129,90 @@ def test_dense_frames_and_disk_blobs_are_handed_up_and_read_right(served, tmp_pa
     assert stats["recompressed_pages_total"] > 0 and stats["disk_pages"] > 0
     for first in range(0, 1024, 3):
         assert reads.read(first * PAGE, PAGE) == model[first * PAGE:(first + 1) * PAGE]
-    assert reads.python > 0
+    assert reads.python > 0 and path.counters()["disk_reads"] > 0
+    # what the native path read stays on disk; the Python path promotes below the demotion
+    # target (Tiers.promote)
+    assert store.stats()["promotions"] == 0
+    store.read(0, 1024 * PAGE)
+    assert store.stats()["promotions"] > 0
     store.check()
+
+
+def tier_at_its_cap(tmp_path) -> Tiering:
+    """A 1 MiB pool over a disk tier: most of a few MiB written goes straight to disk."""
+    return Tiering(max_size=1 << 20, swap_out_path=str(tmp_path / "tier"),
+                   swap_out_max_size=64 << 20, cold_grace_period=0.0, recompress_cpu=1.0)
+
+
+@pytest.mark.parametrize("warm", ["none", "lz4"])
+@pytest.mark.parametrize("sealed", [True, False], ids=["encrypted", "clear"])
+def test_disk_blobs_are_read_natively_when_the_pool_is_at_its_cap(served, tmp_path,
+                                                                  monkeypatch, warm, sealed):
+    monkeypatch.setattr(disk, "ENCRYPT", sealed)
+    store, path, reads = served(size=32 << 20, warm_algorithm=warm, frame_pages=16,
+                                tiering=tier_at_its_cap(tmp_path))
+    rnd = random.Random(5)
+    model = fill_mixed(store, rnd, 4096)  # past the cap, straight to disk
+    assert store.stats()["disk_pages"] > 1000
+    assert (store.disk.key() is not None) == sealed
+    for first in range(0, 4096, 4):
+        n = rnd.choice([1, 2, 4])
+        got = reads.read(first * PAGE, n * PAGE)
+        assert got == model[first * PAGE:(first + n) * PAGE], (first, n)
+    counters = path.counters()
+    assert counters["disk_reads"] > 300 and reads.native > 500
+    assert store.stats()["promotions"] == 0
+    assert differing_pages(store.read(0, 4096 * PAGE), model) == []  # the Python path agrees
+    store.check()
+
+
+@pytest.mark.parametrize("kind", ["raw", "full"])
+def test_frames_with_a_dictionary_are_read_natively_from_the_pool_and_the_disk(served, tmp_path,
+                                                                             kind):
+    store, path, reads = served(size=32 << 20, warm_algorithm="none", frame_pages=4,
+                                dictionary="none", tiering=tier_at_its_cap(tmp_path))
+    # registered after the native path started: the registry's hook tells it
+    entry = store.dicts.registry.add(f"test-{kind}", as_kind(dict_frames.trained(4), kind),
+                                     "host", kind=kind)
+    sel = store.dicts.frame_selector
+    sel.budget = sel.max_budget = sel.min_budget = 10.0
+    sel.margin = 0.0
+    pages = 2048
+    data = b"".join(dict_frames.text_page(i) for i in range(pages))
+    for first in range(0, pages, 16):  # the Python path: its writes choose the dictionary
+        store.write(data[first * PAGE:(first + 16) * PAGE], first * PAGE)
+    live = np.flatnonzero(store.blobs.live())
+    with_dict = live[store.blobs.dict_id[live] == entry.id]
+    assert set(store.blobs.tier[with_dict].tolist()) == {0, 1}  # in the pool and on disk
+    for first in range(0, pages, 2):
+        assert reads.read(first * PAGE, 2 * PAGE) == data[first * PAGE:(first + 2) * PAGE], first
+    assert reads.python == 0 and path.counters()["disk_reads"] > 0
+    store.check()
+
+
+def test_a_disk_extent_that_does_not_open_is_handed_up_and_answers_eio(served, tmp_path):
+    store, path, reads = served(size=32 << 20, warm_algorithm="none", frame_pages=16,
+                                tiering=tier_at_its_cap(tmp_path))
+    rnd = random.Random(6)
+    model = fill_mixed(store, rnd, 4096)
+    on_disk = [s for s in range(4096) if store.slots.kind[s] == 2
+               and store.blobs.tier[int(store.slots.handle[s])] == 1]
+    first = on_disk[len(on_disk) // 2]
+    assert reads.read(first * PAGE, PAGE) == model[first * PAGE:(first + 1) * PAGE]
+    assert path.counters()["disk_reads"] == 1
+    blob = int(store.slots.handle[first])
+    offset = int(store.blobs.disk_off[blob]) + 20  # inside the ciphertext
+    with open(tmp_path / "tier", "r+b") as f:  # the test corrupts the extent
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with store.lock:  # the native frame cache keeps the frame the first read decoded
+        store.outside_drop_idle(0.0)
+    with pytest.raises(Exception, match="AEAD tag mismatch"):
+        reads.read(first * PAGE, PAGE)
+    assert reads.python >= 1 and path.counters()["disk_reads"] == 1
+    assert path.counters()["handed_up_by"]["read_blob"] >= 1
 
 
 def test_a_native_read_records_the_access_as_the_python_path_does(served):
@@ -233,11 +319,15 @@ def fuzz_store():
 # -- interleaved with Python's maintenance --------------------------------------------------
 
 @pytest.mark.slow
-def test_native_reads_interleaved_with_writes_recompression_compaction_and_demotion(tmp_path):
+@pytest.mark.parametrize("pool", [64 << 20, 1 << 20], ids=["pool-64M", "pool-at-cap"])
+def test_native_reads_interleaved_with_writes_recompression_compaction_and_demotion(tmp_path,
+                                                                                   pool):
     """Readers read pages whose bytes never change, while Python rewrites them with the
     same bytes (new blobs, slot switches), writes other pages, packs warm pages into frames,
-    compacts the pool and demotes to disk. Every native read is exact."""
-    tiering = Tiering(max_size=64 << 20, swap_out_path=str(tmp_path / "tier"),
+    compacts the pool and demotes to disk. Every native read is exact. With the pool at its
+    cap the readers read disk extents natively while the rewrites free them and new blobs
+    take their place (an extent reused under a read fails to open: Python reads it again)."""
+    tiering = Tiering(max_size=pool, swap_out_path=str(tmp_path / "tier"),
                       swap_out_max_size=256 << 20, cold_grace_period=0.0, recompress_cpu=1.0)
     store = native_store(size=32 << 20, warm_algorithm="lz4", frame_pages=16, tiering=tiering)
     path = native.NativePath(store)
@@ -300,6 +390,8 @@ def test_native_reads_interleaved_with_writes_recompression_compaction_and_demot
         stats = store.stats()
         assert stats["recompressed_pages_total"] > 0 and stats["disk_pages"] > 0
         assert stats["compactions"] > 0
+        if pool < 64 << 20:
+            assert path.counters()["disk_reads"] > 100
         assert differing_pages(store.read(0, stable_pages * PAGE), model) == []
         store.check()
     finally:
