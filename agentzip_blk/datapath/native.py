@@ -93,6 +93,7 @@ class NativePath:
                 else 3)
             if store.disk is not None:
                 self._path.set_disk(fd=store.disk.fd, key=store.disk.key())
+                store.disk.freed_outside = self._path.take_disk_frees
             self._follow_dictionaries()
             if self.packs:
                 self._path.set_packing(store.frame_pages, store.codecs.writer.level)
@@ -134,6 +135,9 @@ class NativePath:
             self.store.on_tables_moved = lambda: None
             self.store.outside_drop_idle = lambda seconds: None
             self.store.recompressor.native_pack = None
+            if self.store.disk is not None:
+                self.store.disk.settle()
+                self.store.disk.freed_outside = list
             registry = self.store.dicts.registry
             registry.on_added, registry.on_unloaded = self._added, self._unloaded
 

@@ -267,6 +267,7 @@ typedef struct {
     _Atomic(DictEntry *) dicts[MAX_DICTS]; /* by dictionary id (set_dictionary) */
     DictEntry **made_dicts; /* every entry ever published, freed with the Path */
     size_t nmade;
+    DiskFrees disk_frees; /* under lock->mu: extents native writes freed (take_disk_frees) */
     int bound;
     uint64_t size;
     double t0;          /* the store's clock origin, CLOCK_MONOTONIC seconds */
@@ -498,6 +499,7 @@ static PyObject *Path_bind(Path *self, PyObject *args) {
         return NULL;
     /* The caller holds the lock: no native thread reads the tables meanwhile. */
     Py_XSETREF(self->keep, keep);
+    t.disk_frees = self->disk.fd >= 0 ? &self->disk_frees : NULL;
     self->t = t;
     self->tick_base = tick_base;
     self->bound = 1;
@@ -571,6 +573,8 @@ static PyObject *Path_set_disk(Path *self, PyObject *args, PyObject *kw) {
     }
     OPENSSL_cleanse(self->disk.key, sizeof self->disk.key);
     self->disk.fd = fd;
+    if (self->bound)
+        self->t.disk_frees = fd >= 0 ? &self->disk_frees : NULL;
     self->disk.sealed = key != Py_None;
     self->disk.overhead = self->disk.sealed ? DISK_NONCE + DISK_TAG : 0;
     if (self->disk.sealed) {
@@ -614,6 +618,25 @@ static PyObject *Path_set_dictionary(Path *self, PyObject *args) {
     }
     atomic_store(&self->dicts[id], e); /* a replaced entry stays in made_dicts */
     Py_RETURN_NONE;
+}
+
+/* take_disk_frees() -> [(offset, length)]: under the store lock. The extents of disk blobs
+ * native writes released since the last call (DiskTier.settle gives them back). */
+static PyObject *Path_take_disk_frees(Path *self, PyObject *unused) {
+    DiskFrees *df = &self->disk_frees;
+    PyObject *out = PyList_New(df->n);
+    if (!out)
+        return NULL;
+    for (uint32_t i = 0; i < df->n; i++) {
+        PyObject *pair = Py_BuildValue("(KI)", (unsigned long long)df->off[i], df->len[i]);
+        if (!pair) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, pair);
+    }
+    df->n = 0;
+    return out;
 }
 
 static void observe(Path *self, Histogram *h, double seconds) {
@@ -1188,6 +1211,8 @@ static PyMethodDef Path_methods[] = {
      "set_writes(enabled, dedup, seed, hot_ticks, reclaim_bytes, max_blobs, doorbell, dense, frame_pages, level), under the lock"},
     {"set_disk", (PyCFunction)(void (*)(void))Path_set_disk, METH_VARARGS | METH_KEYWORDS,
      "set_disk(fd, key), under the lock"},
+    {"take_disk_frees", (PyCFunction)Path_take_disk_frees, METH_NOARGS,
+     "take_disk_frees() -> [(offset, length)], under the lock"},
     {"set_dictionary", (PyCFunction)Path_set_dictionary, METH_VARARGS,
      "set_dictionary(id, content or None, full): any thread; keep content alive"},
     {"serve", (PyCFunction)Path_serve, METH_VARARGS, "serve(fd, rbuf, wbuf[, epfd, stop]) -> int"},

@@ -686,8 +686,9 @@ static void ref_blob(Tables *t, uint32_t blob) { /* Objects.ref */
 }
 
 /* Objects.release: one reference fewer; with the last, the blob and its books go (a cached
- * copy needs no word: the caches are keyed by the row's generation, which this bumps). The
- * caller has made sure the blob is in the pool. */
+ * copy needs no word: the caches are keyed by the row's generation, which this bumps). A
+ * disk blob's extent goes to the queue Python empties (DiskFrees); the caller has made sure
+ * it has room. */
 static void release(Tables *t, uint32_t blob) {
     t->codec_pages[t->codec[blob]] -= 1;
     uint32_t ref = t->ref[blob] - 1;
@@ -697,7 +698,14 @@ static void release(Tables *t, uint32_t blob) {
     }
     for (uint32_t sub = 0; sub < t->pages[blob]; sub++)
         index_remove(t, t->members[(uint64_t)blob * t->stride + sub], blob << SUB_BITS | sub);
-    pool_free(t, t->arena[blob], t->cell[blob]);
+    if (t->tier[blob] == TIER_POOL) {
+        pool_free(t, t->arena[blob], t->cell[blob]);
+    } else if (t->disk_frees != NULL && t->disk_frees->n < DISK_FREES) {
+        DiskFrees *df = t->disk_frees;
+        df->off[df->n] = t->disk_off[blob];
+        df->len[df->n] = t->length[blob];
+        df->n++;
+    } /* else a bug: the extent leaks, and store.check() says so */
     /* BlobTable.delete */
     t->ref[blob] = 0;
     t->gen[blob] += 1;
@@ -1013,7 +1021,9 @@ int native_write(Tables *t, FrameCache *fc, const WriteParams *p, StoreCounters 
     WritePage *wp = plan->pages;
     if (first + count > t->nslots || count > MAX_PAGES)
         return UP_SHAPE;
-    /* 1. what the slots hold now must be ours to release: pool blobs, the zero word */
+    /* 1. what the slots hold now must be ours to release: blobs (a disk blob's extent with
+     * room in the queue for Python), the zero word */
+    uint32_t on_disk = 0;
     for (uint64_t s = first; s < first + count; s++) {
         uint8_t kind = t->kind[s];
         uint32_t h = t->handle[s];
@@ -1023,7 +1033,8 @@ int native_write(Tables *t, FrameCache *fc, const WriteParams *p, StoreCounters 
         } else if (kind == KIND_BLOB) {
             if (h >= t->nblobs || t->ref[h] == 0)
                 return UP_CORRUPT;
-            if (t->tier[h] != TIER_POOL)
+            if (t->tier[h] != TIER_POOL &&
+                (t->disk_frees == NULL || t->disk_frees->n + ++on_disk > DISK_FREES))
                 return UP_WRITE_DISK;
         } else if (kind != KIND_EMPTY) {
             return UP_CORRUPT;

@@ -62,6 +62,17 @@
 #define ARENA_PARTIAL 1
 #define ARENA_EVACUATING 2
 
+/* Disk extents that native writes freed (Objects.release of a disk blob: a slot written
+ * again), for Python to give back to the tier's books (DiskTier.settle -> DiskTier.free)
+ * under the lock: the tier's free map is Python's. A write whose disk blobs would not fit
+ * is Python's (UP_WRITE_DISK). */
+#define DISK_FREES 4096
+typedef struct {
+    uint64_t off[DISK_FREES];
+    uint32_t len[DISK_FREES];
+    uint32_t n;
+} DiskFrees;
+
 typedef struct {
     /* slot table (store.slots) */
     uint8_t *kind;
@@ -90,6 +101,7 @@ typedef struct {
     uint32_t *gen;
     uint8_t *form;
     uint64_t *disk_off; /* a disk blob's extent in the tier file */
+    DiskFrees *disk_frees; /* NULL: a write over a disk blob is Python's */
     uint32_t *members; /* nblobs rows of `stride` keys */
     uint32_t stride;
     uint64_t nblobs;
@@ -172,7 +184,8 @@ enum {
                        extent did not open (moved, or a disk error) */
     UP_CORRUPT,     /* a checksum or codec failure: Python counts it and answers EIO */
     UP_WRITE_WORD,  /* a write of a same-filled page other than zero, or over one */
-    UP_WRITE_DISK,  /* a write over a slot whose blob is in the disk tier */
+    UP_WRITE_DISK,  /* a write over disk blobs while the freed-extent queue is full (or no
+                       disk tier is bound) */
     UP_WRITE_DEDUP, /* a dedup candidate the native side cannot compare (frame, disk) */
     UP_WRITE_ROOM,  /* the pool at its cap (the disk tier is Python's), or the blob table or
                        the arena books full until the maintainer grows them */

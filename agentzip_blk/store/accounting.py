@@ -101,6 +101,8 @@ def stats(parts: StoreParts, *, recompressor: Recompressor, reclaim_bytes: int,
     counting is done after it."""
     page = parts.page_size
     with parts.lock:
+        if parts.disk is not None:
+            parts.disk.settle()  # extents the native writes freed, into the tier's books
         frozen = _freeze(parts)
         codec_pages = parts.objects.codec_pages.copy()
         same_pages = parts.slots.same_pages
@@ -300,6 +302,8 @@ def slot_sizes(parts: StoreParts, slots) -> dict:
 def check(parts: StoreParts) -> None:
     """Cross-check every invariant of the books; raises AssertionError."""
     blobs, slots, pool = parts.blobs, parts.slots, parts.pool
+    if parts.disk is not None:
+        parts.disk.settle()
     idx = slots.touched()  # a chunk never written holds nothing, and is never read
     kind = slots.kind[idx]
     held = idx[kind == BLOB]

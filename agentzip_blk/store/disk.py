@@ -38,6 +38,7 @@ import itertools
 import os
 import stat
 import struct
+from collections.abc import Callable
 
 import numpy as np
 from cryptography.exceptions import InvalidTag
@@ -193,17 +194,23 @@ class DiskTier:
         self.punch_errors = 0
         self._pending: list[tuple[int, int]] = []  # freed extents, not yet punched
         self._dirty = False
+        # extents freed outside Python: the native request path's writes over disk blobs
+        # (datapath.native), as (offset, blob length); `settle` frees them here
+        self.freed_outside: Callable[[], list[tuple[int, int]]] = list
 
     # -- handover (store.handover): the open file and its books to another process ------
 
     @property
     def fd(self) -> int:
+        """The tier file's descriptor: handed over (store.handover), and read by the native
+        request path (pread(2) of an extent, opened with `key`); open until `close`."""
         return self._fd
 
     def handover_state(self) -> tuple[dict, dict[str, np.ndarray]]:
         """Under the store lock, quiesced: the scalars (plain data) and the arrays (free
         extents, extents waiting for their punch, the sealer's key and nonce state) a tier
         handed over needs besides its descriptor."""
+        self.settle()
         scalars = {"path": self.path, "max_size": self.max_size, "end": self.end,
                    "file_size": self.file_size, "live_bytes": self.live_bytes,
                    "reads": self.reads, "writes": self.writes,
@@ -251,13 +258,8 @@ class DiskTier:
         tier.punch_errors = int(scalars["punch_errors"])
         tier._pending = [(int(o), int(n)) for o, n in arrays["disk_pending"].tolist()]
         tier._dirty = bool(scalars["dirty"])
+        tier.freed_outside = list
         return tier
-
-    @property
-    def fd(self) -> int:
-        """The tier file's descriptor, for the native request path's reads (pread(2) of a
-        blob's extent, opened with `key`); it stays open until `close`."""
-        return self._fd
 
     def key(self) -> bytes | None:
         """The sealer's key (None: not encrypted), for the shared tables (store.shared): a
@@ -297,6 +299,7 @@ class DiskTier:
         tier.reads = tier.writes = tier.punch_errors = 0
         tier._pending = []
         tier._dirty = False
+        tier.freed_outside = list
         return tier
 
     def release(self) -> None:
@@ -336,11 +339,19 @@ class DiskTier:
         self.live_bytes -= size
         self._pending.append((offset, size))
 
+    def settle(self) -> None:
+        """Under the store lock: the extents freed outside Python (`freed_outside`) freed
+        in these books, before anything reads them (the punch, the handover, the stats and
+        the check)."""
+        for offset, length in self.freed_outside():
+            self.free(offset, length)
+
     def take_pending(self) -> list[tuple[int, int]]:
         """The freed extents waiting for their punch, as ranges to punch (under the store
         lock). Their free neighbours join them, out of the free map until `reuse`: a punch
         gives back only the blocks wholly inside its range, and extents are not block
         aligned, so a block shared by two free extents needs one range over both."""
+        self.settle()
         pending, self._pending = self._pending, []
         ranges = list(pending)
         for offset, size in pending:

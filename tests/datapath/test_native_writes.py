@@ -3,9 +3,9 @@
 The same requests go to a store served through the native loop and to a store served by
 Python alone, with the same keyed hash: every read answers the model's bytes on both, both
 pass store.check(), and their books agree (pages by kind and codec, distinct blobs, pages
-shared). What the native side cannot store (a same-filled word other than zero, a slot
-over a disk blob, a dedup candidate in a frame, no arena with room) it hands up intact, and
-the Python path stores it.
+shared). What the native side cannot store (a same-filled word other than zero, a dedup
+candidate on disk, no arena with room) it hands up intact, and the Python path stores it;
+a write over a disk blob is native, and the extent it frees reaches the tier's books.
 """
 
 from __future__ import annotations
@@ -183,9 +183,11 @@ def test_a_frame_of_random_bytes_is_stored_raw_and_a_mixed_one_page_by_page(fram
         twin.close()
 
 
-def test_writes_native_can_not_store_are_handed_up_intact_and_stored_right(tmp_path):
-    """A slot over a disk blob is Python's; a page equal to one inside a frame is compared
-    with the frame natively (decoded once, then from the frame cache) and shares it."""
+def test_writes_over_disk_blobs_and_frames_are_stored_natively(tmp_path):
+    """A write over disk blobs is native: the last reference's extent goes to the queue
+    Python empties into the tier's books (DiskTier.settle). A page equal to one inside a
+    frame is compared with the frame natively (decoded once, then from the frame cache) and
+    shares it."""
     tiering = Tiering(max_size=64 << 20, swap_out_path=str(tmp_path / "tier"),
                       swap_out_max_size=64 << 20, cold_grace_period=0.0, recompress_cpu=1.0)
     store = native_store(size=256 * PAGE, warm_algorithm="lz4", frame_pages=16, tiering=tiering)
@@ -208,12 +210,23 @@ def test_writes_native_can_not_store_are_handed_up_intact_and_stored_right(tmp_p
         store.demote_cold(limit=100)
         assert store.stats()["disk_pages"] > 0
         disk_slot = next(s for s in range(64) if store.blobs.tier[store.slots.handle[s]] == 1)
-        door.write(text_page(rnd, 999), disk_slot * PAGE)  # over a disk blob
-        assert path.counters()["handed_up_by"]["write_disk"] == 1
-        door.write(text_page(rnd, 1000), 200 * PAGE)  # an ordinary warm page: native
-        assert door.native_writes >= 1
-        assert store.read(100 * PAGE, PAGE) == pages[3]
-        assert store.read(disk_slot * PAGE, PAGE) != pages[disk_slot]
+        blob = int(store.slots.handle[disk_slot])
+        holders = [s for s in range(256) if store.slots.kind[s] == 2
+                   and int(store.slots.handle[s]) == blob]
+        extent = store.disk.extent_size(int(store.blobs.length[blob]))
+        store.check()
+        live = store.disk.live_bytes
+        written = door.native_writes
+        model = {s: pages[s] for s in range(64)} | {100: pages[3]}
+        for s in holders:  # over every page of a disk frame: its last reference goes
+            model[s] = text_page(rnd, 999 + s)
+            door.write(model[s], s * PAGE)
+        assert path.counters()["handed_up_by"]["write_disk"] == 0
+        assert door.native_writes == written + len(holders)
+        store.check()  # settles the queue: "disk extents leak" otherwise
+        assert store.disk.live_bytes == live - extent
+        for s, want in model.items():
+            assert store.read(s * PAGE, PAGE) == want, s
         store.check()
     finally:
         door.close()

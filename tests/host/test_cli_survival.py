@@ -178,6 +178,9 @@ def test_up_exits_workload_squeezed_down_separately(operator, spill, frontend):
     verify(wl)
     stats = json.loads(op.run("stats", "--json").stdout)
     assert stats["errors"] == 0
+    datapath = stats["server"]["datapath"]
+    if spill and datapath["path"] == "native":  # the re-touch read the disk tier in C
+        assert datapath["native_disk_reads"] > 0, datapath
     code, st = op.status()
     assert code == 0 and st["healthy"] is True, st["health"]
     # the very processes `up` started are still the ones serving
