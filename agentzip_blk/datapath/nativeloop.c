@@ -499,7 +499,7 @@ static PyObject *Path_bind(Path *self, PyObject *args) {
         return NULL;
     /* The caller holds the lock: no native thread reads the tables meanwhile. */
     Py_XSETREF(self->keep, keep);
-    t.disk_frees = self->disk.fd >= 0 ? &self->disk_frees : NULL;
+    t.disk_frees = &self->disk_frees;
     self->t = t;
     self->tick_base = tick_base;
     self->bound = 1;
@@ -573,8 +573,6 @@ static PyObject *Path_set_disk(Path *self, PyObject *args, PyObject *kw) {
     }
     OPENSSL_cleanse(self->disk.key, sizeof self->disk.key);
     self->disk.fd = fd;
-    if (self->bound)
-        self->t.disk_frees = fd >= 0 ? &self->disk_frees : NULL;
     self->disk.sealed = key != Py_None;
     self->disk.overhead = self->disk.sealed ? DISK_NONCE + DISK_TAG : 0;
     if (self->disk.sealed) {

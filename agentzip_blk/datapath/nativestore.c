@@ -42,20 +42,20 @@ int64_t store_now(double t0, int64_t tick_base) {
 
 /* -- reads ----------------------------------------------------------------------------- */
 
+/* A page stored alone in a form `decode_alone` decodes: raw, or lz4. */
+static int alone_decodable(uint8_t codec, uint16_t len) {
+    return codec == CODEC_RAW ? len == PAGE : codec == CODEC_LZ4 || codec == CODEC_LZ4HC;
+}
+
 /* Where a blob's bytes are, if it is one warm pool page the native path decodes (one page,
  * raw or lz4, no dictionary, in a pool cell), else NULL. */
 static const uint8_t *servable(const Tables *t, uint32_t blob) {
     if (blob >= t->nblobs || t->ref[blob] == 0 || t->pages[blob] != 1 ||
         t->tier[blob] != TIER_POOL || t->dict_id[blob] != 0)
         return NULL;
-    uint8_t codec = t->codec[blob];
     uint16_t len = t->length[blob];
-    if (codec == CODEC_RAW) {
-        if (len != PAGE)
-            return NULL;
-    } else if (codec != CODEC_LZ4 && codec != CODEC_LZ4HC) {
+    if (!alone_decodable(t->codec[blob], len))
         return NULL;
-    }
     int32_t a = t->arena[blob];
     if (a < 0 || (uint64_t)a >= t->narenas || t->a_addr[a] == 0)
         return NULL;
@@ -71,16 +71,22 @@ static uint32_t page_csum(const uint8_t *page) {
     return (uint32_t)XXH3_64bits(page, PAGE);
 }
 
-/* One warm blob's page decoded into `out`, verified against its checksum: 1, or 0 on a
- * mismatch or a codec failure (Python reads it again, counts it and answers EIO). */
-static int decode_page(const Tables *t, int checksums, uint32_t blob, const uint8_t *src,
-                       uint8_t *out) {
-    uint16_t len = t->length[blob];
-    if (t->codec[blob] == CODEC_RAW)
+/* A page stored alone (alone_decodable) decoded into `out`, verified against its checksum:
+ * 1, or 0 on a mismatch or a codec failure (Python reads it again, counts it and answers
+ * EIO). Takes the blob's columns as values: finish_read calls it after the lock. */
+static int decode_alone(uint8_t codec, uint16_t len, uint32_t csum, int checksums,
+                        const uint8_t *src, uint8_t *out) {
+    if (codec == CODEC_RAW)
         memcpy(out, src, PAGE);
     else if (LZ4_decompress_safe((const char *)src, (char *)out, len, PAGE) != PAGE)
         return 0;
-    return !checksums || page_csum(out) == t->csum[blob];
+    return !checksums || page_csum(out) == csum;
+}
+
+/* One warm pool blob's page (servable) decoded, under the lock. */
+static int decode_page(const Tables *t, int checksums, uint32_t blob, const uint8_t *src,
+                       uint8_t *out) {
+    return decode_alone(t->codec[blob], t->length[blob], t->csum[blob], checksums, src, out);
 }
 
 /* The dictionary a blob was compressed with, if it names one the native side has (NULL for
@@ -110,10 +116,11 @@ static int dense_servable(const Tables *t, uint32_t blob) {
     return cls >= 0 && (uint64_t)cls < t->nclasses && len > 0 && len <= t->class_cell[cls];
 }
 
-/* A disk blob the native side reads (DiskParams): a frame or a page alone in any codec the
- * native side decodes, its dictionary checked by the caller (dict_of). It stays on disk: the page it answers is in RAM
- * again, and its copy is needed only if the kernel evicts that page clean (docs/
- * ARCHITECTURE.md, "The disk tier"); the Python path promotes below the demotion target. */
+/* A disk blob the native side reads (DiskParams): a zstd frame or page, or a page alone in
+ * a form decode_alone decodes; its dictionary checked by the caller (dict_of). It stays on
+ * disk: the page it answers is in RAM again, and its copy is needed only if the kernel
+ * evicts that page clean (docs/ARCHITECTURE.md, "The native request path"); the Python
+ * path promotes below the demotion target. */
 static int disk_servable(const Tables *t, const DiskParams *disk, uint32_t blob) {
     if (disk->fd < 0 || blob >= t->nblobs || t->ref[blob] == 0 || t->tier[blob] != TIER_DISK)
         return 0;
@@ -121,12 +128,7 @@ static int disk_servable(const Tables *t, const DiskParams *disk, uint32_t blob)
     uint16_t len = t->length[blob];
     if (len == 0 || pages == 0 || pages > MAX_FRAME_PAGES)
         return 0;
-    if (codec == CODEC_ZSTD)
-        ;
-    else if (pages != 1 || (codec == CODEC_RAW ? len != PAGE
-                                                : codec != CODEC_LZ4 && codec != CODEC_LZ4HC))
-        return 0;
-    return 1;
+    return codec == CODEC_ZSTD || (pages == 1 && alone_decodable(codec, len));
 }
 
 static double seconds_now(void) {
@@ -358,14 +360,12 @@ int finish_read(const ReadPlan *plan, const DiskParams *disk, uint8_t *scratch, 
                             : ZSTD_decompressDCtx(dctx, frame, want, stored, job->len);
             if (ZSTD_isError(got) || got != want)
                 return UP_CORRUPT;
-        } else if (job->codec == CODEC_RAW) { /* a page alone (disk_servable) */
-            memcpy(frame, stored, PAGE);
-        } else if (LZ4_decompress_safe((const char *)stored, (char *)frame, (int)job->len,
-                                       PAGE) != PAGE) {
+            if (checksums && job->pages == 1 && page_csum(frame) != job->csum)
+                return UP_CORRUPT;
+        } else if (!decode_alone(job->codec, (uint16_t)job->len, job->csum, checksums, stored,
+                                 frame)) { /* a disk page alone (disk_servable) */
             return UP_CORRUPT;
         }
-        if (checksums && job->pages == 1 && page_csum(frame) != job->csum)
-            return UP_CORRUPT;
     }
     for (uint64_t i = 0; i < count; i++) {
         int16_t j = plan->job_of[i];
@@ -700,7 +700,7 @@ static void release(Tables *t, uint32_t blob) {
         index_remove(t, t->members[(uint64_t)blob * t->stride + sub], blob << SUB_BITS | sub);
     if (t->tier[blob] == TIER_POOL) {
         pool_free(t, t->arena[blob], t->cell[blob]);
-    } else if (t->disk_frees != NULL && t->disk_frees->n < DISK_FREES) {
+    } else if (t->disk_frees->n < DISK_FREES) {
         DiskFrees *df = t->disk_frees;
         df->off[df->n] = t->disk_off[blob];
         df->len[df->n] = t->length[blob];
@@ -1033,8 +1033,7 @@ int native_write(Tables *t, FrameCache *fc, const WriteParams *p, StoreCounters 
         } else if (kind == KIND_BLOB) {
             if (h >= t->nblobs || t->ref[h] == 0)
                 return UP_CORRUPT;
-            if (t->tier[h] != TIER_POOL &&
-                (t->disk_frees == NULL || t->disk_frees->n + ++on_disk > DISK_FREES))
+            if (t->tier[h] != TIER_POOL && t->disk_frees->n + ++on_disk > DISK_FREES)
                 return UP_WRITE_DISK;
         } else if (kind != KIND_EMPTY) {
             return UP_CORRUPT;

@@ -101,7 +101,7 @@ typedef struct {
     uint32_t *gen;
     uint8_t *form;
     uint64_t *disk_off; /* a disk blob's extent in the tier file */
-    DiskFrees *disk_frees; /* NULL: a write over a disk blob is Python's */
+    DiskFrees *disk_frees; /* the Path's queue (bind) */
     uint32_t *members; /* nblobs rows of `stride` keys */
     uint32_t stride;
     uint64_t nblobs;
@@ -184,8 +184,7 @@ enum {
                        extent did not open (moved, or a disk error) */
     UP_CORRUPT,     /* a checksum or codec failure: Python counts it and answers EIO */
     UP_WRITE_WORD,  /* a write of a same-filled page other than zero, or over one */
-    UP_WRITE_DISK,  /* a write over disk blobs while the freed-extent queue is full (or no
-                       disk tier is bound) */
+    UP_WRITE_DISK,  /* a write over disk blobs while the freed-extent queue is full */
     UP_WRITE_DEDUP, /* a dedup candidate the native side cannot compare (frame, disk) */
     UP_WRITE_ROOM,  /* the pool at its cap (the disk tier is Python's), or the blob table or
                        the arena books full until the maintainer grows them */
