@@ -408,20 +408,23 @@ class Pool:
     def _live_ids(self) -> np.ndarray:
         return np.flatnonzero(self.arena_addr[: self._state[IDS]])
 
-    def arenas_of(self, class_index: int) -> tuple[np.ndarray, np.ndarray]:
-        """Live arena ids of a class and their used cell counts."""
-        ids = np.flatnonzero(self._a_class[: self._state[IDS]] == class_index)
-        return ids, self._a_used[ids].astype(np.int64)
-
-    def evacuation_plan(self, class_index: int) -> list[int]:
-        """The sparsest arenas of a class whose cells fit into the free cells of the rest."""
-        ids, used = self.arenas_of(class_index)
+    def evacuation_plan(self) -> list[int]:
+        """The sparsest arenas of each class whose cells fit into the free cells of the
+        rest of their class (a class of one arena keeps it), all classes in one pass."""
+        ids = np.flatnonzero(self._a_class[: self._state[IDS]] != _NO_CLASS)
         if len(ids) < 2:
             return []
-        per_arena = self.classes[class_index].cells_per_arena
-        needed = -(-int(used.sum()) // per_arena)
-        order = np.argsort(-used, kind="stable")
-        return ids[order[needed:]].tolist()
+        cls = self._a_class[ids].astype(np.int64)
+        used = self._a_used[ids].astype(np.int64)
+        order = np.lexsort((-used, cls))  # by class, the fullest first within one
+        ids, cls, used = ids[order], cls[order], used[order]
+        starts = np.flatnonzero(np.r_[True, cls[1:] != cls[:-1]])
+        counts = np.diff(np.r_[starts, len(ids)])
+        per_arena = self.class_cells[cls[starts]].astype(np.int64)
+        needed = -(-np.add.reduceat(used, starts) // per_arena)
+        rank = np.arange(len(ids)) - np.repeat(starts, counts)
+        go = (rank >= np.repeat(needed, counts)) & (np.repeat(counts, counts) >= 2)
+        return ids[go].tolist()
 
     def evacuate(self, arena_ids: list[int]) -> None:
         """Stop allocating from these arenas; they are released when their last cell moves out."""

@@ -278,12 +278,16 @@ class Tiers:
         return moved
 
     def punch_freed(self) -> int:
-        """Hole-punch the disk extents freed since the last round, without the store lock,
-        then let them be reused; returns extents punched."""
+        """Make the disk extents freed since the last round reusable: as they are while the
+        file's free space stays within its slack (store.disk), else hole-punched first,
+        without the store lock; returns extents punched."""
         if self.disk is None:
             return 0
         with self.parts.lock:
             pending = self.disk.take_pending()
+            if pending and not self.disk.over_slack(pending):
+                self.disk.reuse(pending)
+                return 0
         if not pending:
             return 0
         self.disk.punch(pending)
@@ -431,28 +435,27 @@ class Tiers:
         return wasted >= MIN_COMPACT_BYTES and self.pool.fragmentation() >= FRAGMENTATION_TRIGGER
 
     def compact(self) -> int:
-        """Move live cells out of the sparsest arenas of each class; returns cells moved."""
-        moved = 0
+        """Move live cells out of the sparsest arenas of every class; returns cells moved.
+        The classes are planned together and their blobs found in one scan of the blob
+        table: a scan per class (~130 classes) cost 0.16 CPU under `bench load`."""
         with self._compacting:
-            for cls in self.pool.classes:
-                moved += self._compact_class(cls.index)
+            with self.parts.lock:
+                sources = self.pool.evacuation_plan()
+                if sources:
+                    self.pool.evacuate(sources)
+            moved = self._evacuate(sources) if sources else 0
             with self.parts.lock:
                 self.counters.compactions += 1
         return moved
 
-    def _compact_class(self, class_index: int) -> int:
-        """Empty the class's sparsest arenas, COMPACT_CHUNK cells per hold of the store lock.
-        The blobs to move are found once; between holds requests run, so each chunk keeps
-        only those still live in a source arena (nothing new lands in one: they take no
-        allocations). Requests also take free cells, so a move may find no room left; the
-        rest then stays where it is."""
+    def _evacuate(self, sources: list[int]) -> int:
+        """Empty the arenas `sources` (evacuating: they take no allocations),
+        COMPACT_CHUNK cells per hold of the store lock. The blobs to move are found once;
+        between holds requests run, so each chunk keeps only those still live in a source
+        arena (nothing new lands in one). Requests also take free cells, so a move may find
+        no room left; the rest then stays where it is."""
         lock = self.parts.lock
         blobs, pool = self.objects.blobs, self.pool
-        with lock:
-            sources = pool.evacuation_plan(class_index)
-            if not sources:
-                return 0
-            pool.evacuate(sources)
         moved = 0
         try:
             found, start = [], 0
