@@ -12,7 +12,7 @@ import sys
 # (swap_report) and the harness are not benches.
 BENCHES = ("churn", "codecs", "demo", "density", "dicts", "forms", "frame_layout", "frontdoor",
            "hash", "integrity", "latency", "load", "meta", "neighbour", "pins", "restart", "scrape", "stale",
-           "store_contention", "swap", "tuner", "warm_rows")
+           "store_contention", "swap", "swapfloor", "tuner", "warm_rows")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROG = "python -m bench"

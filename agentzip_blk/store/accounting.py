@@ -333,6 +333,7 @@ def check(parts: StoreParts) -> None:
         sealed = blobs.length[on_disk].astype(np.int64) + parts.disk.overhead  # nonce + tag
         extents = (-(-sealed // ALLOC_STEP) * ALLOC_STEP).sum()
         assert parts.disk.live_bytes == int(extents), "disk extents leak"
+        parts.disk.check()
     else:
         assert not on_disk.any()
 

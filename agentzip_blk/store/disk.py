@@ -543,6 +543,17 @@ class DiskTier:
         if not self._dirty:
             os.posix_fadvise(self._fd, offset, length, os.POSIX_FADV_DONTNEED)
 
+    def check(self) -> None:
+        """The free map's books (store.check): extents apart, the free bytes counted, all
+        below the end."""
+        assert self.free_bytes == sum(self._by_offset.values()), "disk free bytes miscounted"
+        assert len(self._by_offset) == len(self._by_size), "disk free map and index differ"
+        at = 0
+        for offset, size in self._by_offset.items():
+            assert offset >= at and size > 0, f"disk free extents overlap at {offset}"
+            at = offset + size
+        assert at <= self.end, "a free extent past the end"
+
     def meta_bytes(self) -> int:
         # A SortedDict entry plus a SortedList tuple: ~150 bytes per free extent; a tuple in
         # a list per extent waiting for its punch.
