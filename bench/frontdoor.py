@@ -35,7 +35,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from bench.harness.floor import build_floor, wait_for_file  # noqa: E402
+from bench.harness.floor import build_floor, stop_floor, wait_for_file  # noqa: E402
 
 SIZE = 64 << 20
 PAGE = 4096
@@ -217,15 +217,7 @@ def run_backend(name: str, threads: int, reads: int, floor_exe: str | None) -> d
     finally:
         if loop:
             subprocess.run(["losetup", "-d", loop], check=False)
-        if is_mounted(mnt):
-            subprocess.run(["umount", mnt], check=False)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            if is_mounted(mnt):
-                subprocess.run(["umount", "-l", mnt], check=False)
+        stop_floor(mnt, proc)
         with contextlib.suppress(OSError):
             os.rmdir(mnt)
 

@@ -48,7 +48,7 @@ from bench.harness.blockio import (
     time_calls,
     write_direct,
 )
-from bench.harness.floor import build_floor, wait_for_file
+from bench.harness.floor import build_floor, stop_floor, wait_for_file
 from bench.harness.md import write_section
 from bench.harness.results import REPO, write_json
 
@@ -192,13 +192,7 @@ def floor_rows(data: bytes, offs: list[int], tmp: str) -> dict:
     finally:
         if loop:
             subprocess.run(["losetup", "-d", loop], check=False)
-        subprocess.run(["umount", mnt], check=False)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            subprocess.run(["umount", "-l", mnt], check=False)
+        stop_floor(mnt, proc)
     return rows
 
 

@@ -46,7 +46,7 @@ import numpy as np
 from agentzip_blk.cgroups.fs import MemoryCgroup
 from agentzip_blk.demo.backends import ZramSwap
 from agentzip_blk.demo.scripts import pagewalk
-from bench.harness.floor import build_floor, wait_for_file
+from bench.harness.floor import build_floor, stop_floor, wait_for_file
 from bench.harness.host import joiner, kill_all
 from bench.harness.md import write_section
 from bench.harness.results import REPO, write_json
@@ -130,12 +130,7 @@ def fuse_row() -> Iterator[None]:
             with _loop(os.path.join(mnt, "device")) as dev, _swap_on(dev):
                 yield
         finally:
-            subprocess.run(["umount", mnt], check=False)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_floor(mnt, proc)
 
 
 @contextlib.contextmanager

@@ -40,3 +40,15 @@ def wait_for_file(path: str, proc: subprocess.Popen, timeout: float = 20.0, size
                 return
         time.sleep(0.05)
     raise RuntimeError(f"{path} did not appear")
+
+
+def stop_floor(mnt: str, proc: subprocess.Popen) -> None:
+    """Unmount the floor's file system and reap its server (our child); a server that does
+    not exit in 10 s is killed and its mount detached lazily."""
+    subprocess.run(["umount", mnt], check=False, capture_output=True)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        subprocess.run(["umount", "-l", mnt], check=False, capture_output=True)
