@@ -285,15 +285,14 @@ class Tiers:
             return 0
         with self.parts.lock:
             pending = self.disk.take_pending()
-            if pending and not self.disk.over_slack(pending):
-                self.disk.reuse(pending)
-                return 0
+            punch = bool(pending) and self.disk.over_slack(pending)
         if not pending:
             return 0
-        self.disk.punch(pending)
-        with self.parts.lock:
+        if punch:
+            self.disk.punch(pending)
+        with self.parts.lock:  # a second hold, as short as the first: requests run between
             self.disk.reuse(pending)
-        return len(pending)
+        return len(pending) if punch else 0
 
     def rewrite_sparse_frames(self, limit: int = REWRITE_CHUNK) -> int:
         """Recompress frames that at most half of their pages are still used by, keeping only
