@@ -360,7 +360,11 @@ def request(path: str, cmd: str, timeout: float = 10.0, **args) -> dict:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout)
             _connect(sock, path, timeout)
-            sock.sendall(json.dumps({"cmd": cmd, "protocol": PROTOCOL, **args}).encode() + b"\n")
+            try:
+                sock.sendall(json.dumps({"cmd": cmd, "protocol": PROTOCOL, **args}).encode()
+                             + b"\n")
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # a server over its connection cap answers "busy" and may close first
             with sock.makefile("rb") as stream:
                 line = stream.readline()
     except FileNotFoundError:

@@ -30,7 +30,10 @@ sys.stdin.readline()
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.settimeout(10)
 s.connect(path)
-s.sendall(b'{"cmd": "ping"}\n')
+try:
+    s.sendall(b'{"cmd": "ping"}\n')
+except BrokenPipeError:  # over the cap in a flood: the "busy" reply came, then the close
+    pass
 line = s.makefile("rb").readline()
 print(json.dumps(json.loads(line) if line else None), flush=True)
 """
@@ -100,3 +103,34 @@ def test_the_group_cannot_force_a_scan_per_request(serve):
         ages.append(reply["snapshot"]["age_s"])
     # the snapshot root's request took, getting older: no scan of the group's own
     assert 0 < ages[0] <= ages[1] <= ages[2] < GROUP_STATS_MIN_AGE, ages
+
+
+def test_a_client_turned_away_before_it_sent_still_reads_why(tmp_path):
+    """A server over its cap may answer "busy" and close before the client has sent its
+    request (the flood path of ControlServer._busy_loop): the client's send then fails with
+    EPIPE, and `control.request` still reads the reply and reports its reason."""
+    import socket
+    import threading
+
+    path = str(tmp_path / "control.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+
+    def answer_and_close() -> None:
+        conn, _ = listener.accept()
+        conn.sendall(json.dumps({"ok": False, "protocol": control.PROTOCOL,
+                                 "error": "busy: too many control connections open"}).encode()
+                     + b"\n")
+        conn.shutdown(socket.SHUT_WR)
+        conn.close()
+
+    server = threading.Thread(target=answer_and_close)
+    server.start()
+    try:
+        # a request larger than the socket's buffer: its send meets the closed peer
+        with pytest.raises(control.ControlError, match="busy: too many control connections"):
+            control.request(path, "slots", slots=list(range(1 << 18)))
+    finally:
+        server.join(10)
+        listener.close()
