@@ -359,8 +359,12 @@ class DedupIndex:
         entry landing on the old one's position with the same value and 16-bit fingerprint
         in this window, would keep the old key's home: a missed dedup, never wrong bytes.)"""
         table, seen_fps, seen_vals = seen
-        fps, vals = self.prepare(capacity)
         where = np.flatnonzero(seen_fps > _TOMBSTONE)
+        if len(where) + 1 > _MAX_LOAD * capacity:
+            # too small for what was seen (adopt would refuse it, and more entries than
+            # positions cannot be laid out at all): the capacity that holds them
+            capacity = _target(len(where))
+        fps, vals = self.prepare(capacity)
         pos, near = self._lay_out(seen_vals[where], fps, vals)
         moved_to = np.full(len(seen_fps), -1, dtype=np.int64)
         moved_to[where[near]] = pos[near]

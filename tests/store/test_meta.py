@@ -122,6 +122,8 @@ def test_a_rebuilt_index_finds_every_entry(keys, capacity, high):
 
 
 @settings(max_examples=60, deadline=None)
+# 17 entries asked into 16 positions: `plan` failed to lay them out (found by CI)
+@example(keys=[2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5, 6], changes=[], scale=0.375)
 @given(st.lists(st.integers(2, (1 << 32) - 1), min_size=1, max_size=400),
        st.lists(st.tuples(st.sampled_from(["insert", "remove", "repoint"]),
                           st.integers(0, 10**6), st.integers(2, (1 << 32) - 1)), max_size=200),
