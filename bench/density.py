@@ -1009,7 +1009,8 @@ def parse_args(argv):
     ap.add_argument("--json", default=None, help="results/bench_density.json (quick: none)")
     ap.add_argument("--png", default=None, help="docs/density.png (quick: none)")
     ap.add_argument("--md", default=os.path.join(REPO, "BENCHMARKS.md"))
-    ap.add_argument("--no-md", action="store_true", help="do not touch BENCHMARKS.md")
+    ap.add_argument("--no-md", action="store_true",
+                    help="do not touch BENCHMARKS.md or its chart (docs/density.png) unless --png")
     ap.add_argument("--from-json", metavar="PATH", help="only regenerate the section and plot")
     return ap.parse_args(argv)
 
@@ -1054,7 +1055,8 @@ def main(argv=None) -> int:
         doc["summary"] = summarize(results, {}, opts)
         if a.json:
             write_json(a.json, doc)
-        plot(doc, a.png or os.path.join(REPO, "docs", "density.png"))
+        if a.png or not a.no_md:
+            plot(doc, a.png or os.path.join(REPO, "docs", "density.png"))
         if not a.no_md:
             replace_block(a.md, markdown(doc), BEGIN, END)
         return 0
@@ -1063,7 +1065,8 @@ def main(argv=None) -> int:
         return 2
     opts = options_from(a)
     json_path = a.json or (None if a.quick else os.path.join(REPO, "results", "bench_density.json"))
-    png_path = a.png or (None if a.quick else os.path.join(REPO, "docs", "density.png"))
+    # the chart is the section's: a trial with --no-md leaves both as they are
+    png_path = a.png or (None if a.quick or a.no_md else os.path.join(REPO, "docs", "density.png"))
     t0 = time.monotonic()
     started = datetime.datetime.now(datetime.timezone.utc)
     tmp = tempfile.mkdtemp(prefix="azd-", dir=opts.workdir)

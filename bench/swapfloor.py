@@ -47,15 +47,15 @@ from agentzip_blk.cgroups.fs import MemoryCgroup
 from agentzip_blk.demo.backends import ZramSwap
 from agentzip_blk.demo.scripts import pagewalk
 from bench.harness.floor import build_floor, stop_floor, wait_for_file
-from bench.harness.host import joiner, kill_all
+from bench.harness.host import joiner, kill_all, set_limit_quiet
 from bench.harness.md import write_section
 from bench.harness.results import REPO, write_json
 
 MiB = 1 << 20
 DEVICE_BYTES = 1 << 30  # the loop rows' swap area; the workload's pages fit many times
 
-# The workload: agent-like text (JSON-ish words and numbers), every page distinct; it waits
-# on stdin and exits when it closes.
+# The workload: agent-like text, bench.harness.blockio.agent_pages's words and numbers, every
+# page distinct; stdlib only (its heap is its data); it waits on stdin and exits when it closes.
 WORKLOAD = r"""
 import random, sys
 rnd = random.Random(1)
@@ -174,8 +174,7 @@ def probe_row(name: str, mb: int, faults: int) -> dict:
             usage = cg.usage()
             target = usage // 10
             for _ in range(100):  # v1: the write reclaims; it may need a few tries
-                with contextlib.suppress(Exception):
-                    cg.set_limit(target)
+                if set_limit_quiet(cg, target):
                     break
                 time.sleep(0.1)
             t0 = time.monotonic()
