@@ -43,7 +43,8 @@ def _ours(st: dict) -> dict:
         "used": sw.get("used"), "priority": sw.get("priority"),
         "server": srv.get("pid") if srv.get("alive") else
         (f"{srv.get('pid')}(dead)" if srv.get("pid") else None),
-        "frontend": _frontend(st), "datapath": srv.get("datapath"), "health": _health(st),
+        "frontend": _frontend(st), "datapath": srv.get("datapath"),
+        "request_priority": srv.get("request_priority"), "health": _health(st),
         "swap": "on" if st["swap"] else "off",
         "rss": srv.get("rss") if srv.get("alive") else None,
         "loop": lp.get("device"), "dio": {True: "on", False: "off"}.get(lp.get("dio")),
@@ -72,6 +73,8 @@ STATUS = Table([
     Column("FRONTEND", "how the kernel reaches the server: fuse, nbdfuse, nbd", key("frontend")),
     Column("DATAPATH", "who answers the device's reads: native (the C extension) or python",
            key("datapath")),
+    Column("REQPRIO", "the priority the FUSE workers answer reads at: realtime (SCHED_FIFO 1) "
+           "or normal (device.request_priority)", key("request_priority"), default=False),
     Column("HEALTH", "OK, or FAIL (exit status 4; the problems follow the table)", key("health")),
     Column("SWAP", "on, or off (not in /proc/swaps)", key("swap"), default=False),
     Column("RSS", "server resident memory", key("rss"), BYTES, default=False),

@@ -46,6 +46,7 @@ from .schema import (
     MAX_DEVICE_SIZE,
     MAX_FRAME_PAGES,
     MIN_SIZE,
+    REQUEST_PRIORITIES,
     RETURNED_TO_DISK,
     SUPPORTED_PAGE_SIZE,
     SWAP_MAP_MODES,
@@ -309,6 +310,8 @@ def _parse_device(value: Any) -> DeviceConfig:
         frontend=_choice(data.get("frontend", d.frontend), "device.frontend", FRONTENDS),
         datapath=_choice(data.get("datapath", d.datapath), "device.datapath", DATAPATHS),
         swap_map=_choice(data.get("swap_map", d.swap_map), "device.swap_map", SWAP_MAP_MODES),
+        request_priority=_choice(data.get("request_priority", d.request_priority),
+                                 "device.request_priority", REQUEST_PRIORITIES),
         control_group=_group(data.get("control_group", d.control_group), "device.control_group"),
     )
 

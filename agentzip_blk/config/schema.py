@@ -122,6 +122,15 @@ class DeviceConfig:
     # of slots the kernel freed without telling the device (docs/ARCHITECTURE.md, "What the
     # kernel tells the device"). auto: where the kernel allows it (status says why not).
     swap_map: str = "auto"
+    # The scheduling class of the FUSE workers while they wait for and answer reads on the
+    # native path: "realtime" is SCHED_FIFO at priority 1, the lowest real-time one, so a
+    # sandbox's fault is answered as soon as the request arrives instead of after the
+    # sandboxes' slices (zram decompresses in the faulting task itself). Writes and anything
+    # handed to Python run at the normal priority; the kernel's real-time throttling
+    # (sched_rt_runtime_us) bounds the rest. Refused (no CAP_SYS_NICE, a cgroup without
+    # real-time time): the workers run "normal", and doctor and status say so. BENCHMARKS.md
+    # "Faults answered first".
+    request_priority: str = "realtime"
     # A group whose members may use the read-only control verbs on control.sock
     # (datapath.server.READ_ONLY_VERBS), e.g. a metrics exporter that is not root.
     # None: root only. nbd.sock stays root's alone whatever this says.
@@ -143,6 +152,7 @@ class MetricsConfig:
 FRONTENDS = ("auto", "fuse", "nbdfuse", "nbd")
 DATAPATHS = ("auto", "native", "python")
 SWAP_MAP_MODES = ("auto", "off")
+REQUEST_PRIORITIES = ("realtime", "normal")
 
 
 def default_scopes() -> list[Scope]:

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from ..errors import errno_of
+from . import priority
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +159,7 @@ class FuseStats:
     kernel_minor: int = 0
     flags: int = 0
     threads: list[int] = field(default_factory=list)
+    priority_refused: str | None = None  # why device.request_priority: realtime was not had
 
 
 @dataclass
@@ -218,7 +220,8 @@ class FuseFile:
 
     def __init__(self, mountpoint: str, size: int, backend: Backend, *, name: str = "device",
                  threads: int = 4, on_thread: Callable[[], None] | None = None,
-                 direct_io: bool = True, native: NativeServe | None = None) -> None:
+                 direct_io: bool = True, native: NativeServe | None = None,
+                 request_priority: str = priority.NORMAL) -> None:
         if size <= 0 or size % PAGE:
             raise ValueError(f"size {size} is not a positive multiple of {PAGE}")
         if "/" in name or name in ("", ".", ".."):
@@ -233,6 +236,8 @@ class FuseFile:
         self.open_flags = FOPEN_DIRECT_IO if direct_io else 0
         # datapath.native.NativePath: reads requests itself and hands up what it does not serve
         self.native = native
+        # datapath.priority: the workers' class while they serve the native path's reads
+        self.request_priority = request_priority
         self.stats = FuseStats()
         self._stats_lock = threading.Lock()  # workers count concurrently
         self._fd: int | None = None
@@ -397,6 +402,14 @@ class FuseFile:
             f.write("1")
 
     @property
+    def priority_in_effect(self) -> str:
+        """What the workers run at: realtime only on the native path, and where allowed."""
+        if (self.native is None or self.request_priority != priority.REALTIME
+                or self.stats.priority_refused is not None):
+            return priority.NORMAL
+        return priority.REALTIME
+
+    @property
     def alive(self) -> bool:
         return any(t.is_alive() for t in self._workers)
 
@@ -418,13 +431,21 @@ class FuseFile:
         self.stats.threads.append(threading.get_native_id())
         fd = io.fd
         native = self.native
+        realtime = False
+        if native is not None and self.request_priority == priority.REALTIME:
+            refused = priority.enter_realtime()
+            realtime = refused is None
+            if refused is not None and self.stats.priority_refused is None:
+                self.stats.priority_refused = refused
+                log.warning("device.request_priority: %s; the FUSE workers run at the normal "
+                            "priority", refused)
         stop = self._stop
         ep = select.epoll()
         try:
             # EPOLLEXCLUSIVE: a request wakes one waiting worker; the wake eventfd wakes all
             ep.register(fd, select.EPOLLIN | select.EPOLLEXCLUSIVE)
             ep.register(self._wake, select.EPOLLIN)
-            self._serve_loop(io, ep, stop, native)
+            self._serve_loop(io, ep, stop, native, realtime)
         finally:
             ep.close()
 
@@ -439,7 +460,7 @@ class FuseFile:
             self._dispatch_safely(io, n)
 
     def _serve_loop(self, io: _Worker, ep: select.epoll, stop: bytearray,
-                    native: NativeServe | None) -> None:
+                    native: NativeServe | None, realtime: bool) -> None:
         fd, rbuf, wbuf = io.fd, io.rbuf, io.wbuf
         epfd = ep.fileno()
         while True:
@@ -471,7 +492,8 @@ class FuseFile:
                 return
             if n < IN_HEADER.size:
                 continue
-            self._dispatch_safely(io, n)
+            with priority.normal_priority(realtime):
+                self._dispatch_safely(io, n)
 
     def _dispatch_safely(self, io: _Worker, n: int) -> None:
         try:
@@ -698,4 +720,6 @@ def describe(door: FuseFile | None) -> dict | None:
     return {"file": door.path, "alive": door.alive, "threads": len(s.threads),
             "reads": s.reads + native.get("reads", 0),
             "writes": s.writes + native.get("writes", 0), "trims": s.trims, "errors": s.errors,
-            "last_error": s.last_error, "kernel_minor": s.kernel_minor}
+            "last_error": s.last_error, "kernel_minor": s.kernel_minor,
+            "request_priority": door.priority_in_effect,
+            "request_priority_refused": s.priority_refused}

@@ -29,6 +29,7 @@
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -425,6 +426,7 @@ static PyObject *Path_bind(Path *self, PyObject *args) {
     COLUMN(chunk_live, "chunk_live", int32_t, nchunks);
     COLUMN(chunk_touched, "chunk_touched", uint8_t, nchunks);
     COLUMN(chunk_written, "chunk_written", uint8_t, nchunks);
+    COLUMN(words, "words", uint64_t, nwords);
     uint64_t one;
 #define STATE(field, key, need)                                                              \
     do {                                                                                     \
@@ -906,6 +908,25 @@ static int serve_write(Path *self, int fd, const uint8_t *r, ssize_t n, uint8_t 
     return SERVED;
 }
 
+/* A write a worker stores itself (queue_write did not take it). A worker that answers reads
+ * at a real-time priority (datapath/priority.py, device.request_priority) stores it at the
+ * normal one: compression is the sandboxes' kind of work, and at FIFO priority it would
+ * also keep the other workers' reads waiting, since FIFO threads of one priority do not
+ * share a CPU by slices. */
+static int serve_write_inline(Path *self, int fd, const uint8_t *r, ssize_t n, uint8_t *w,
+                              size_t wlen) {
+    struct sched_param was;
+    int lowered = sched_getscheduler(0) == SCHED_FIFO && sched_getparam(0, &was) == 0;
+    if (lowered) {
+        struct sched_param normal = {0};
+        lowered = sched_setscheduler(0, SCHED_OTHER, &normal) == 0;
+    }
+    int result = serve_write(self, fd, r, n, w, wlen);
+    if (lowered)
+        sched_setscheduler(0, SCHED_FIFO, &was);
+    return result;
+}
+
 /* A WRITE read by a worker, copied to the write queue: 1, or 0 when the worker serves it
  * itself (too large, the queue full, no writer running or the path not serving writes). */
 static int queue_write(Path *self, const uint8_t *r, ssize_t n) {
@@ -1037,7 +1058,7 @@ static PyObject *Path_serve(Path *self, PyObject *args) {
             continue;
         if (opcode == FUSE_WRITE && queue_write(self, r, n))
             continue;
-        if (opcode == FUSE_WRITE && serve_write(self, fd, r, n, w, wlen) == SERVED)
+        if (opcode == FUSE_WRITE && serve_write_inline(self, fd, r, n, w, wlen) == SERVED)
             continue;
         atomic_fetch_add(&self->handed_up, 1);
         result = n;

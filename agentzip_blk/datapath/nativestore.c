@@ -153,6 +153,17 @@ static int cache_find(FrameCache *fc, uint32_t blob, uint32_t gen) {
  * Warm pages and pages of cached frames are answered here, under the lock; the dense
  * blobs left (plan->njobs) have their stored bytes copied to `scratch` for `finish_read`,
  * after the lock. */
+/* A same-filled page (store.slots.SameWords: the word of a slot's id, set and dropped under
+ * the lock): the word repeated. */
+static void same_fill(uint8_t *dst, uint64_t word) {
+    if (word == 0) {
+        memset(dst, 0, PAGE);
+        return;
+    }
+    for (size_t k = 0; k < PAGE; k += 8)
+        memcpy(dst + k, &word, 8);
+}
+
 int native_read(const Tables *t, FrameCache *fc, const DiskParams *disk,
                 _Atomic(DictEntry *) *dicts, int checksums, int64_t now, uint64_t first,
                 uint64_t count, uint8_t *out, ReadPlan *plan, uint8_t *scratch, size_t room) {
@@ -174,8 +185,8 @@ int native_read(const Tables *t, FrameCache *fc, const DiskParams *disk,
         if (kind == KIND_EMPTY)
             continue;
         if (kind == KIND_SAME) {
-            if (t->handle[slot] != 0)
-                return UP_READ_BLOB; /* a non-zero word: Python's table */
+            if (t->handle[slot] >= t->nwords)
+                return UP_READ_BLOB; /* not a word id: Python's to judge */
             continue;
         }
         if (kind != KIND_BLOB)
@@ -248,6 +259,10 @@ int native_read(const Tables *t, FrameCache *fc, const DiskParams *disk,
     for (uint64_t i = 0; i < count; i++) {
         uint8_t *dst = out + i * PAGE;
         uint64_t slot = first + i;
+        if (t->kind[slot] == KIND_SAME) {
+            same_fill(dst, t->words[t->handle[slot]]);
+            continue;
+        }
         if (t->kind[slot] != KIND_BLOB) {
             memset(dst, 0, PAGE);
             continue;

@@ -86,6 +86,8 @@ typedef struct {
     uint64_t nchunks;
     int64_t *slot_state; /* same_pages */
     int64_t *slot_switch; /* a slot switched outside a request (store.shared SWITCH_*) */
+    uint64_t *words; /* same-fill words by id (store.slots.SameWords), id 0 the zero word */
+    uint64_t nwords;
     /* blob table (store.blobs) */
     int32_t *arena;
     uint32_t *cell;
@@ -180,7 +182,7 @@ typedef struct {
 enum {
     UP_UNBOUND,     /* tables not bound, or a tick rebase is due */
     UP_SHAPE,       /* not whole pages in the device, or not a READ/WRITE this path serves */
-    UP_READ_BLOB,   /* a read of a dictionary blob, a non-zero word, a disk blob whose
+    UP_READ_BLOB,   /* a read of a dictionary blob, a bad word id, a disk blob whose
                        extent did not open (moved, or a disk error) */
     UP_CORRUPT,     /* a checksum or codec failure: Python counts it and answers EIO */
     UP_WRITE_WORD,  /* a write of a same-filled page other than zero, or over one */

@@ -211,7 +211,8 @@ class Server:
         # histograms, per-thread protection (on_thread also marks the workers whose
         # requests the native path serves without calling us) and errno mapping.
         door = fuse.FuseFile(self.options.fuse, self.size, self, threads=threads,
-                             on_thread=self.on_request_thread, native=self.native)
+                             on_thread=self.on_request_thread, native=self.native,
+                             request_priority=self.config.device.request_priority)
         if adopt_fd is not None:  # a restart: the connection the old server mounted
             door.adopt(adopt_fd, conn)
         else:
@@ -442,7 +443,12 @@ class Server:
                 "last_repair": self.repair,
                 "memory_locked": self.protection.memory_locked is None,
                 # why mlockall failed (status and doctor say it), None when locked
-                "memory_lock_error": self.protection.memory_locked}
+                "memory_lock_error": self.protection.memory_locked,
+                # what the FUSE workers answer reads at (datapath.priority), and why not
+                # realtime when that was asked and refused
+                "request_priority": self.fuse.priority_in_effect if self.fuse else None,
+                "request_priority_refused": (self.fuse.stats.priority_refused
+                                             if self.fuse else None)}
 
     def _guard(self, request: dict) -> dict:
         """`up` names the device before swapon: polite signals are refused while it is swap."""

@@ -59,6 +59,7 @@ class Facts:
     native_built: bool = True  # the native request path's extension imports (datapath.native)
     native_missing: str = ""   # why not
     datapath_running: dict | None = None  # the server's stats["server"]["datapath"]
+    fuse_running: dict | None = None  # the server's stats["server"]["fuse"] (None: no door)
     old_config_keys: list[tuple[str, str]] = field(default_factory=list)  # (old, new) names
     scopes_enabled: list[str] = field(default_factory=list)
     scoped_cgroups: list[str] = field(default_factory=list)
@@ -147,6 +148,7 @@ def gather(run_dir: str, config=None, root: str = "/", config_path: str | None =
             f.server_locked = bool(srv.get("memory_locked"))
             f.server_locked_bytes = int(srv.get("locked_bytes") or 0)
             f.datapath_running = srv.get("datapath")
+            f.fuse_running = srv.get("fuse")
         except Exception:
             f.server_locked_bytes = procfs.process_locked(state.nbdkit_pid)
             f.server_locked = f.server_locked_bytes > 0
@@ -399,6 +401,23 @@ def _server(f: Facts) -> Iterator[Check]:
                     "unlimited`) or keep CAP_IPC_LOCK, then down and up")
 
 
+def _request_priority(f: Facts) -> Iterator[Check]:
+    """What the FUSE workers answer reads at (device.request_priority, datapath.priority)."""
+    door = f.fuse_running
+    if not door or "request_priority" not in door:
+        return
+    refused = door.get("request_priority_refused")
+    if refused:
+        yield Check("request priority", WARN,
+                    f"device.request_priority: realtime was refused ({refused}): faults are "
+                    "answered at the normal priority, behind the sandboxes' CPU slices",
+                    "run the server with CAP_SYS_NICE (and real-time time in its cpu cgroup), "
+                    "or set device.request_priority: normal; down; up")
+        return
+    yield Check("request priority", PASS,
+                f"the FUSE workers answer reads at the {door['request_priority']} priority")
+
+
 def _request_path(f: Facts) -> Iterator[Check]:
     """Which request path the server runs (device.datapath), and whether the native one
     could run here."""
@@ -483,6 +502,7 @@ def _kubelet(f: Facts) -> Iterator[Check]:
 
 
 RULES = (_kernel, _memory_cgroup, _swap_areas, _zswap, _attach_path, _server, _request_path,
+         _request_priority,
          _host_reclaim,
          _oomd, _old_config_keys, _scopes, _kubelet)
 

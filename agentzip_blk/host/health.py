@@ -74,6 +74,7 @@ def status(run_dir: str | None = None, *, config=None,
             out["health"] = health(state, health_timeout)
             out["healthy"] = out["health"]["ok"]
             out["server"]["datapath"] = out["health"]["nbdkit"].get("datapath")
+            out["server"]["request_priority"] = out["health"]["nbdkit"].get("request_priority")
             running = out["health"]["nbdkit"].get("version")
             out["server"]["version"] = running
             if out["health"]["nbdkit"].get("started") is not None:
@@ -111,6 +112,12 @@ def status(run_dir: str | None = None, *, config=None,
                             "own device deadlocks every swap-in; raise RLIMIT_MEMLOCK "
                             "(LimitMEMLOCK=infinity in the unit, `ulimit -l unlimited`) and "
                             "run down and up")
+        if srv.get("request_priority_refused"):
+            warnings.append(f"device.request_priority: realtime was refused "
+                            f"({srv['request_priority_refused']}): the FUSE workers answer "
+                            "faults at the normal priority, behind the sandboxes' CPU slices; "
+                            "run the server with CAP_SYS_NICE and real-time time in its cpu "
+                            "cgroup, or set device.request_priority: normal")
         if alive and not state.oom_protected:
             warnings.append("could not set oom_score_adj -1000 on the server (needs "
                             "CAP_SYS_RESOURCE): the OOM killer may pick it")
@@ -177,6 +184,8 @@ def health(state: RunState, timeout: float = HEALTH_TIMEOUT) -> dict:
                 srv["last_repair"] = reply.get("last_repair")
                 srv["memory_locked"] = reply.get("memory_locked")  # None: an older server
                 srv["memory_lock_error"] = reply.get("memory_lock_error")
+                srv["request_priority"] = reply.get("request_priority")
+                srv["request_priority_refused"] = reply.get("request_priority_refused")
             except control.ControlError as exc:
                 problems.append(f"nbdkit (pid {state.nbdkit_pid}) does not answer health "
                                 f"within {timeout:g}s: {exc}")

@@ -337,7 +337,7 @@ class PageStore:
             "kind": slots.kind, "handle": slots.handle, "sub": slots.sub,
             "slot_rtime": slots.rtime, "chunk_live": slots.chunk_live,
             "chunk_touched": slots.chunk_touched, "chunk_written": slots.chunk_written,
-            "slot_state": slots.state, "slot_switch": slots.switching,
+            "slot_state": slots.state, "slot_switch": slots.switching, "words": slots.words.words,
             "arena": blobs.arena, "cell": blobs.cell, "tier": blobs.tier,
             "length": blobs.length, "pages": blobs.pages, "codec": blobs.codec,
             "dict_id": blobs.dict_id, "ref": blobs.ref, "atime": blobs.atime,

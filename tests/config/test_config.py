@@ -159,6 +159,7 @@ def valid_configs(draw):
             "frontend": draw(st.sampled_from(["auto", "fuse", "nbdfuse", "nbd"])),
             "datapath": draw(st.sampled_from(["auto", "native", "python"])),
             "swap_map": draw(st.sampled_from(["auto", "off"])),
+            "request_priority": draw(st.sampled_from(["realtime", "normal"])),
             "control_group": draw(st.sampled_from([None, "root"])),
         },
         "metrics": {"listen": draw(st.sampled_from(["127.0.0.1:9479", "[::1]:1", "0.0.0.0:65535"]))},
@@ -544,6 +545,18 @@ def test_device_frontend_must_be_known(value):
 def test_device_datapath_must_be_known(value):
     with pytest.raises(ConfigError, match=r"device\.datapath: .* is not one of auto \| native \| python"):
         parse_config({"device": {"datapath": value}})
+
+
+@pytest.mark.parametrize("value", ["", "fifo", "REALTIME", 1, None, True])
+def test_device_request_priority_must_be_known(value):
+    with pytest.raises(ConfigError,
+                       match=r"device\.request_priority: .* is not one of realtime \| normal"):
+        parse_config({"device": {"request_priority": value}})
+
+
+def test_device_request_priority_defaults_to_realtime():
+    assert parse_config({}).device.request_priority == "realtime"
+    assert parse_config({"device": {"request_priority": "normal"}}).device.request_priority == "normal"
 
 
 @pytest.mark.parametrize("listen", ["9479", "127.0.0.1", "127.0.0.1:x", ":9479", "h:70000", 9479])

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -384,6 +385,20 @@ def _cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
 @pytest.mark.skipif(not Path(sys.executable).with_name("agentzip-blk").exists(),
                     reason="agentzip-blk is not installed in this venv (./setup.sh)")
 @pytest.mark.skipif(facts.nbd_kernel_available(), reason="kernel nbd host")
+def _fifo_threads(pid: int) -> int:
+    """The server's SCHED_FIFO threads, once none is serving a handed-up request (those
+    run at the normal priority for a moment)."""
+    deadline = time.monotonic() + 5
+    while True:
+        fifo = 0
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                fifo += os.sched_getscheduler(int(tid)) == os.SCHED_FIFO
+        if fifo in (0, 4) or time.monotonic() > deadline:
+            return fifo
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("datapath,warm", [("auto", "none"), ("native", "lz4")])
 def test_cli_up_swap_down_in_separate_processes_with_fuse(tmp_path, datapath, warm):
     """The defaults, and the native request path serving warm pages: every byte back."""
@@ -411,6 +426,14 @@ def test_cli_up_swap_down_in_separate_processes_with_fuse(tmp_path, datapath, wa
         assert st["server"]["datapath"] == expected, r.stdout
         table = _cli("--config", str(cfg), "status", "-o", "NAME,DATAPATH", "--raw", "-n").stdout
         assert expected in table
+        # device.request_priority (realtime by default): the native path's FUSE workers
+        # answer reads at SCHED_FIFO (datapath.priority); the Python path's at the normal
+        # priority
+        wanted = "realtime" if expected == "native" else "normal"
+        assert st["server"]["request_priority"] == wanted, r.stdout
+        assert _fifo_threads(st["server"]["pid"]) == (4 if wanted == "realtime" else 0)
+        checks = json.loads(_cli("--config", str(cfg), "doctor", "--json").stdout)["checks"]
+        assert [c["status"] for c in checks if c["name"] == "request priority"] == ["pass"]
 
         cg, proc = squeezed_workload(f"azt-fusecli-{os.getpid()}", HEAP_WORKLOAD, ["96"],
                                      limit=32 * MiB, swapped=48 * MiB)
