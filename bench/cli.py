@@ -10,7 +10,7 @@ import sys
 
 # Every bench, by module name (bench/NAME.py, with a main()). Helpers of one bench
 # (swap_report) and the harness are not benches.
-BENCHES = ("churn", "codecs", "demo", "density", "dicts", "forms", "frame_layout", "frontdoor",
+BENCHES = ("churn", "codecs", "demo", "density", "dicts", "faultpath", "forms", "frame_layout", "frontdoor",
            "hash", "integrity", "latency", "load", "meta", "neighbour", "pins", "restart", "scrape", "stale",
            "store_contention", "swap", "swapfloor", "tuner", "warm_rows")
 

@@ -207,13 +207,15 @@ def run(args) -> dict:
                  "swap_out_path": os.path.join(tmp, "disk-tier")},
         "policy": {"cold_grace_period": "5s"},
         "compression": {"warm_algorithm": args.warm},
-        "device": {"rotational": args.rotational, "datapath": args.datapath},
+        "device": {"rotational": args.rotational, "datapath": args.datapath,
+                   "request_priority": args.request_priority},
     })
     result: dict = {"config": {"workers": args.workers, "duration_s": args.duration,
                                "heap_mb": args.mb, "limit_fraction": args.limit_fraction,
                                "pool": args.pool, "device_size": args.size,
                                "rotational": args.rotational, "warm_algorithm": args.warm,
-                               "datapath": args.datapath}}
+                               "datapath": args.datapath,
+                               "request_priority": args.request_priority}}
     cgroups: list = []
     workloads: list[Workload] = []
     try:
@@ -449,6 +451,8 @@ def main(argv=None) -> int:
                     help="compression.warm_algorithm (default none, the store's default)")
     ap.add_argument("--datapath", default="auto", choices=("auto", "native", "python"),
                     help="device.datapath: who answers the FUSE reads (default auto)")
+    ap.add_argument("--request-priority", default="normal", choices=("normal", "realtime"),
+                    help="device.request_priority (default normal, the config's default)")
     ap.add_argument("--interval", type=float, default=2.0, help="sampling interval s")
     ap.add_argument("--warmup", type=float, default=30.0, help="seconds left out of averages")
     ap.add_argument("--md", default=os.path.join(REPO, "BENCHMARKS.md"))

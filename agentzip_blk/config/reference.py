@@ -93,7 +93,7 @@ KEYS: tuple[Key, ...] = (
         "loop device over a FUSE file the server itself serves (fuse)."),
     Key("device.datapath", "auto | native | python",
         "Who answers FUSE reads of warm pages. auto: the C extension where it was built."),
-    Key("device.request_priority", "realtime | normal",
+    Key("device.request_priority", "normal | realtime",
         "The FUSE workers answer reads at SCHED_FIFO 1 (realtime), ahead of the sandboxes, or "
         "at the normal priority. Writes and requests handed to Python run at the normal one."),
     Key("device.swap_map", "auto | off",

@@ -128,9 +128,11 @@ class DeviceConfig:
     # sandboxes' slices (zram decompresses in the faulting task itself). Writes and anything
     # handed to Python run at the normal priority; the kernel's real-time throttling
     # (sched_rt_runtime_us) bounds the rest. Refused (no CAP_SYS_NICE, a cgroup without
-    # real-time time): the workers run "normal", and doctor and status say so. BENCHMARKS.md
-    # "Faults answered first".
-    request_priority: str = "realtime"
+    # real-time time): the workers run "normal", and doctor and status say so. Not the
+    # default: it cut a read's time in FUSE 5x at 16 sandboxes, but the sustained load
+    # moved less with it and the density rounds were no faster (BENCHMARKS.md "Faults
+    # answered first").
+    request_priority: str = "normal"
     # A group whose members may use the read-only control verbs on control.sock
     # (datapath.server.READ_ONLY_VERBS), e.g. a metrics exporter that is not root.
     # None: root only. nbd.sock stays root's alone whatever this says.

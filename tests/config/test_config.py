@@ -554,9 +554,9 @@ def test_device_request_priority_must_be_known(value):
         parse_config({"device": {"request_priority": value}})
 
 
-def test_device_request_priority_defaults_to_realtime():
-    assert parse_config({}).device.request_priority == "realtime"
-    assert parse_config({"device": {"request_priority": "normal"}}).device.request_priority == "normal"
+def test_device_request_priority_defaults_to_normal():
+    assert parse_config({}).device.request_priority == "normal"
+    assert parse_config({"device": {"request_priority": "realtime"}}).device.request_priority == "realtime"
 
 
 @pytest.mark.parametrize("listen", ["9479", "127.0.0.1", "127.0.0.1:x", ":9479", "h:70000", 9479])

@@ -399,9 +399,12 @@ def _fifo_threads(pid: int) -> int:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("datapath,warm", [("auto", "none"), ("native", "lz4")])
-def test_cli_up_swap_down_in_separate_processes_with_fuse(tmp_path, datapath, warm):
-    """The defaults, and the native request path serving warm pages: every byte back."""
+@pytest.mark.parametrize("datapath,warm,request_priority", [("auto", "none", None),
+                                                            ("native", "lz4", "realtime")])
+def test_cli_up_swap_down_in_separate_processes_with_fuse(tmp_path, datapath, warm,
+                                                          request_priority):
+    """The defaults, and the native request path serving warm pages with its workers at
+    SCHED_FIFO (device.request_priority: realtime): every byte back."""
     if datapath == "native" and not native.available():
         pytest.skip(native.MISSING)
     if procfs.swaps():
@@ -411,7 +414,8 @@ def test_cli_up_swap_down_in_separate_processes_with_fuse(tmp_path, datapath, wa
     cfg.write_text(f"pool:\n  swap_out_path: {tmp_path / 'disk-tier'}\n"
                    f"compression:\n  warm_algorithm: {warm}\n"
                    f"device:\n  size: 512M\n  run_dir: {run_dir}\n  frontend: fuse\n"
-                   f"  swap_priority: 77\n  datapath: {datapath}\n")
+                   f"  swap_priority: 77\n  datapath: {datapath}\n"
+                   + (f"  request_priority: {request_priority}\n" if request_priority else ""))
     cg = proc = None
     try:
         r = _cli("--config", str(cfg), "up")
@@ -426,10 +430,9 @@ def test_cli_up_swap_down_in_separate_processes_with_fuse(tmp_path, datapath, wa
         assert st["server"]["datapath"] == expected, r.stdout
         table = _cli("--config", str(cfg), "status", "-o", "NAME,DATAPATH", "--raw", "-n").stdout
         assert expected in table
-        # device.request_priority (realtime by default): the native path's FUSE workers
-        # answer reads at SCHED_FIFO (datapath.priority); the Python path's at the normal
-        # priority
-        wanted = "realtime" if expected == "native" else "normal"
+        # device.request_priority (normal by default): realtime puts the native path's FUSE
+        # workers at SCHED_FIFO (datapath.priority); the Python path's stay normal
+        wanted = "realtime" if expected == "native" and request_priority == "realtime" else "normal"
         assert st["server"]["request_priority"] == wanted, r.stdout
         assert _fifo_threads(st["server"]["pid"]) == (4 if wanted == "realtime" else 0)
         checks = json.loads(_cli("--config", str(cfg), "doctor", "--json").stdout)["checks"]
