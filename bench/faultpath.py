@@ -16,7 +16,7 @@ command, e.g. `bench density`) and splits a read's time along that path:
 
 plus the native path's requests handed to Python and writes queued / served inline.
 
-    flock /tmp/agentzip-swap.lock .venv/bin/python -m bench density --configs agentzip --ns 16 --no-md --json D &
+    flock /tmp/agentzip-swap.lock .venv/bin/python -m bench density --configs agentzip --ns 16 --no-md --json D   (in the background)
     .venv/bin/python -m bench faultpath --after-swapon 65 --json F
 
 `--after-swapon S` waits for a loop device in /proc/swaps, then S seconds (bench density
