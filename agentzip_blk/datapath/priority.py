@@ -6,11 +6,11 @@ ours, then the faulting task), and on two CPUs shared with busy sandboxes each o
 than our own work on a read. zram has no such wait, since it decompresses in the faulting
 task. With ``realtime``, a worker that reads /dev/fuse for the native path runs SCHED_FIFO
 at priority 1, the lowest real-time one: a request that arrives is taken at once, ahead of
-the sandboxes' slices. Only reads run there. A write's compression is the sandboxes' kind of work and a
-request handed to Python may run long, so both run at the normal priority (the C loop
-lowers itself around a write it stores inline; ``normal_priority`` around Python). The
-kernel's real-time throttling (sched_rt_runtime_us, 95% of each CPU by default) bounds
-what a bug could take. Not the default: under `bench load` the writers, at the normal
+the sandboxes' slices. Only reads run there. A write's compression is the sandboxes' kind
+of work and a request handed to Python may run long, so both run at the normal priority
+(the C loop lowers itself around a write it stores inline; ``normal_priority`` around
+Python). The kernel's real-time throttling (sched_rt_runtime_us, 95% of each CPU by
+default) bounds what a bug could take. Not the default: under `bench load` the writers, at the normal
 priority, lost CPU to the readers and the load moved less (BENCHMARKS.md "Faults answered
 first").
 """
@@ -47,4 +47,3 @@ def normal_priority(realtime: bool) -> Iterator[None]:
         yield
     finally:
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(FIFO_PRIORITY))
-

@@ -59,7 +59,6 @@ class Facts:
     native_built: bool = True  # the native request path's extension imports (datapath.native)
     native_missing: str = ""   # why not
     datapath_running: dict | None = None  # the server's stats["server"]["datapath"]
-    fuse_running: dict | None = None  # the server's stats["server"]["fuse"] (None: no door)
     old_config_keys: list[tuple[str, str]] = field(default_factory=list)  # (old, new) names
     scopes_enabled: list[str] = field(default_factory=list)
     scoped_cgroups: list[str] = field(default_factory=list)
@@ -148,7 +147,6 @@ def gather(run_dir: str, config=None, root: str = "/", config_path: str | None =
             f.server_locked = bool(srv.get("memory_locked"))
             f.server_locked_bytes = int(srv.get("locked_bytes") or 0)
             f.datapath_running = srv.get("datapath")
-            f.fuse_running = srv.get("fuse")
         except Exception:
             f.server_locked_bytes = procfs.process_locked(state.nbdkit_pid)
             f.server_locked = f.server_locked_bytes > 0
@@ -403,8 +401,9 @@ def _server(f: Facts) -> Iterator[Check]:
 
 def _request_priority(f: Facts) -> Iterator[Check]:
     """What the FUSE workers answer reads at (device.request_priority, datapath.priority)."""
-    door = f.fuse_running
-    if not door or "request_priority" not in door:
+    # the health reply says it (host.health); None: no FUSE door, or nothing answers
+    door = ((f.health or {}).get("nbdkit") or {})
+    if door.get("request_priority") is None:
         return
     refused = door.get("request_priority_refused")
     if refused:
