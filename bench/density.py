@@ -19,7 +19,11 @@ sandbox i is the same program with the same data in every trial) started with
 seeded, skewed 3% of its retained items -- 4 picks in 5 from the newest fifth -- verify
 their digests, allocate and process a 4 MiB transient buffer made from them, free it). A
 round's wall time is think + act (what an agent's user waits for per step); act alone is
-reported too. Any digest mismatch fails the whole run.
+reported too. Any digest mismatch fails the whole run. Every round is kept in the trial's
+``round_log`` (when its act started, think, act, the sandbox's major faults during the act),
+with the mean and max of the *first* acts apart from the later ones: a sandbox's first act
+faults back what the build pushed out while it idled, the burst that sets the p99 of a slow
+swap device (BENCHMARKS.md, "The first act").
 
 **Configurations** (each the only swap while it runs, started by separate commands as an
 operator would): ``noswap``; ``zram`` (lz4, /dev/zram0); ``agentzip`` (``agentzip-blk up``
@@ -141,6 +145,15 @@ def quick_options() -> Options:
 def vmstat() -> dict[str, int]:
     with open("/proc/vmstat") as f:
         return {k: int(v) for k, v in (line.split() for line in f)}
+
+
+def proc_majflt(pid: int) -> int:
+    """Major faults of a whole process (all its threads), /proc/PID/stat field 12."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rpartition(")")[2].split()[9])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def proc_cpu(pid: int) -> float:
@@ -468,6 +481,7 @@ class Trial:
         self.children: list = []
         self.sandboxes: list[Sandbox] = []
         self.limit_now: int | None = None
+        self.loop_t0 = 0.0
         self.samples: list[dict] = []
 
     def fail(self, reason: str, kind: str) -> None:
@@ -556,10 +570,12 @@ class Trial:
             if t0 + think >= t_end or self.abort.wait(think):
                 return
             t1 = time.monotonic()
+            flt0 = proc_majflt(sb.proc.pid)
             if not sb.send(f"ROUND {round_seed} {self.o.ws_fraction} {self.o.transient_mib}"):
                 return  # died: the watchdog reports it
             parts = sb.expect("ROUND", self.o.round_timeout, self.abort)
             t2 = time.monotonic()
+            faults = proc_majflt(sb.proc.pid) - flt0
             if parts is None:
                 if not self.abort.is_set() and sb.proc.poll() is None:
                     self.fail(f"sandbox {sb.spec.index}: no ROUND reply within {self.o.round_timeout:.0f}s",
@@ -573,7 +589,8 @@ class Trial:
                 return
             with self.lock:
                 self.rounds.append({"sandbox": sb.spec.index, "kind": sb.spec.kind, "k": k,
-                                    "think_s": t1 - t0, "act_s": t2 - t1, "round_s": t2 - t0,
+                                    "at_s": t1 - self.loop_t0, "think_s": t1 - t0,
+                                    "act_s": t2 - t1, "round_s": t2 - t0, "majflt": faults,
                                     "act_inner_s": float(parts[2]), "items": int(parts[3]),
                                     "bytes": int(parts[4])})
             k += 1
@@ -631,6 +648,13 @@ class Trial:
                    p50_act_s=pct(acts, 50), p99_act_s=pct(acts, 99), max_act_s=max(acts, default=None),
                    per_kind_p99_act_s={k: pct([r["act_s"] for r in self.rounds if r["kind"] == k], 99)
                                        for k in KINDS})
+        # A sandbox's first act faults back what the build pushed out while it idled: the
+        # burst that sets the p99 on a slow swap device (BENCHMARKS.md, "The first act")
+        first = [r["act_s"] for r in self.rounds if r["k"] == 0]
+        later = [r["act_s"] for r in self.rounds if r["k"] > 0]
+        res.update(first_act_mean_s=sum(first) / len(first) if first else None,
+                   first_act_max_s=max(first, default=None),
+                   later_act_mean_s=sum(later) / len(later) if later else None)
         return res
 
     def _loop(self, res: dict) -> None:
@@ -638,7 +662,7 @@ class Trial:
         vm0, cpu0 = vmstat(), machine_busy()
         pids = self.swap.server_pids()
         srv0 = sum(proc_cpu(p) for p in pids)
-        t0 = time.monotonic()
+        t0 = self.loop_t0 = time.monotonic()
         t_end = t0 + o.duration
         stop = threading.Event()
         sampler = threading.Thread(target=self._sampler, args=(stop, t0), daemon=True)
@@ -655,8 +679,13 @@ class Trial:
         srv1 = sum(proc_cpu(p) for p in pids)
         res.update(
             loop_s=round(dt, 1),
+            loop_t0_monotonic=round(t0, 4),
             swap_in_mib_s=round((vm1["pswpin"] - vm0["pswpin"]) * PAGE / MiB / dt, 2),
             swap_out_mib_s=round((vm1["pswpout"] - vm0["pswpout"]) * PAGE / MiB / dt, 2),
+            # the kernel's swap readahead over the loop: pages read ahead, and how many of
+            # them a fault then found (zram reads no pages ahead)
+            swap_ra_pages=vm1.get("swap_ra", 0) - vm0.get("swap_ra", 0),
+            swap_ra_hits=vm1.get("swap_ra_hit", 0) - vm0.get("swap_ra_hit", 0),
             server_cpu=round((srv1 - srv0) / dt, 3) if pids else None,
             machine_cpu=round((cpu1[0] - cpu0[0]) / max(1e-6, cpu1[1] - cpu0[1]), 3),
             majflt=sum(c.stat().get("total_pgmajfault", c.stat().get("pgmajfault", 0)) for c in self.children),
@@ -671,6 +700,10 @@ class Trial:
             device=self.swap.stats() if self.limited else {},
             peak=peak_held(self.samples),
             samples=self.samples,
+            # every round, for finding when the slow ones ran (at_s: the act's start, from
+            # the start of the loop)
+            round_log=[{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}
+                       for r in self.rounds],
         )
 
     def release(self) -> None:
@@ -769,7 +802,9 @@ class Bench:
         self.results.setdefault(name, {"trials": {}})["trials"][n] = r
         p99 = f"{r['p99_round_s']:.2f}s" if r["p99_round_s"] is not None else "-"
         log(f"  {name} N={n}: {'HOLDS' if ok else 'fails'}: p99 round {p99} (bound {bound:.2f}s), "
-            f"p99 act {r['p99_act_s'] or 0:.3f}s vs {base['p99_act_s']:.3f}s, swap in/out "
+            f"p99 act {r['p99_act_s'] or 0:.3f}s vs {base['p99_act_s']:.3f}s, first acts "
+            f"{r['first_act_mean_s'] or 0:.2f}s (max {r['first_act_max_s'] or 0:.2f}s), later "
+            f"{r['later_act_mean_s'] or 0:.2f}s, swap in/out "
             f"{r.get('swap_in_mib_s', 0)}/{r.get('swap_out_mib_s', 0)} MiB/s, server CPU "
             f"{r.get('server_cpu')}, device ratio {_fmt((r.get('device') or {}).get('ratio'))}"
             + (f"; {r['failure']}" if r["failure"] else ""))

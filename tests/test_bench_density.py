@@ -117,4 +117,9 @@ def test_quick_density_run_verifies_every_round(workdir):
                 (name, n, r["failure"])
     for r in doc["baseline"].values():
         assert r["failure"] is None and r["rounds"] > 0
+        # every round logged, with the first acts (k = 0) told apart from the later ones
+        assert len(r["round_log"]) == r["rounds"]
+        firsts = [x["act_s"] for x in r["round_log"] if x["k"] == 0]
+        assert firsts and r["first_act_max_s"] == pytest.approx(max(firsts), abs=1e-3)
+        assert all(0 <= x["at_s"] <= r["loop_s"] + 1 and x["majflt"] >= 0 for x in r["round_log"])
     assert doc["rounds_total"] > 0
