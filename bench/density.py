@@ -147,22 +147,25 @@ def vmstat() -> dict[str, int]:
         return {k: int(v) for k, v in (line.split() for line in f)}
 
 
-def proc_majflt(pid: int) -> int:
-    """Major faults of a whole process (all its threads), /proc/PID/stat field 12."""
+def proc_stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name (index 0 is field 3, the state);
+    [] once the process is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rpartition(")")[2].split()[9])
-    except (OSError, ValueError, IndexError):
-        return 0
+            return f.read().rpartition(")")[2].split()
+    except OSError:
+        return []
+
+
+def proc_majflt(pid: int) -> int:
+    """Major faults of a whole process (all its threads), field 12."""
+    p = proc_stat(pid)
+    return int(p[9]) if p else 0
 
 
 def proc_cpu(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            p = f.read().rpartition(")")[2].split()
-        return (int(p[11]) + int(p[12])) / TICK
-    except (OSError, ValueError, IndexError):
-        return 0.0
+    p = proc_stat(pid)
+    return (int(p[11]) + int(p[12])) / TICK if p else 0.0
 
 
 def proc_rss(pid: int) -> int:

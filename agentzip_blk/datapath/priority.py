@@ -10,9 +10,9 @@ the sandboxes' slices. Only reads run there. A write's compression is the sandbo
 of work and a request handed to Python may run long, so both run at the normal priority
 (the C loop lowers itself around a write it stores inline; ``normal_priority`` around
 Python). The kernel's real-time throttling (sched_rt_runtime_us, 95% of each CPU by
-default) bounds what a bug could take. Not the default: under `bench load` the writers, at the normal
-priority, lost CPU to the readers and the load moved less (BENCHMARKS.md "Faults answered
-first").
+default) bounds what a bug could take. Not the default: under `bench load` the writers, at
+the normal priority, lost CPU to the readers and the load moved less (BENCHMARKS.md "Faults
+answered first").
 """
 
 from __future__ import annotations
